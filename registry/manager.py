@@ -1,0 +1,188 @@
+"""The plugin manager: built-in plugins, entry points of group "zoo", and the architecture table."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+import pluggy
+
+from registry import hookspecs
+from registry.spec import ArchSpec
+
+BUILTIN_PLUGINS = (
+    "plugins.llama",
+    "plugins.mistral",
+    "plugins.qwen2",
+    "plugins.qwen3",
+    "plugins.gemma3",
+    "plugins.mixtral",
+    "plugins.qwen2_moe",
+    "plugins.qwen3_moe",
+    "plugins.olmoe",
+    "plugins.deepseek",
+)
+ENTRY_POINT_GROUP = "zoo"
+
+
+class RegistryError(Exception):
+    """A conflict between plugins, or a plugin that does not follow the hook contract."""
+
+
+class UnsupportedArchitecture(LookupError):
+    def __init__(self, message: str, failures: dict[str, BaseException]):
+        super().__init__(message)
+        self.failures = failures
+
+
+class Registry:
+    def __init__(self, *, builtins: bool = True, entry_points: bool = True):
+        self.pm = pluggy.PluginManager("zoo")
+        self.pm.add_hookspecs(hookspecs)
+        self.specs: dict[str, ArchSpec] = {}  # architecture -> the spec that serves it
+        self._by_plugin: dict[str, list[ArchSpec]] = {}  # in registration order
+        self.failures: dict[str, BaseException] = {}  # plugin name -> the exception that stopped it
+        if builtins:
+            for name in BUILTIN_PLUGINS:
+                self._import_and_register(name)
+        if entry_points:
+            self._load_entry_points()
+
+    # -- plugins ---------------------------------------------------------------------------------
+    def register_plugin(self, plugin: ModuleType | object, name: str | None = None) -> None:
+        """Register a plugin object (a module or any object with hookimpls) and collect its specs."""
+        name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        try:
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()  # a misspelt hook name fails here, loudly
+        except pluggy.PluginValidationError as e:
+            if self.pm.get_plugin(name) is not None:
+                self.pm.unregister(name=name)
+            raise RegistryError(f"plugin {name!r}: {e}") from e
+        new: list[ArchSpec] = []
+
+        def register(spec: ArchSpec) -> None:
+            if not isinstance(spec, ArchSpec):
+                raise RegistryError(f"plugin {name!r} registered {spec!r}, which is not an ArchSpec")
+            new.append(ArchSpec(**{**spec.__dict__, "plugin": name}))
+
+        impl = getattr(plugin, "register_architectures", None)
+        if impl is not None:
+            impl(register=register)
+        self._by_plugin[name] = new
+        try:
+            self.specs = _table(self._by_plugin)
+        except RegistryError:
+            del self._by_plugin[name]
+            self.pm.unregister(name=name)
+            raise
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove a plugin and its architectures (what an override had shadowed comes back)."""
+        self.pm.unregister(name=name)
+        self._by_plugin.pop(name, None)
+        self.specs = _table(self._by_plugin)
+
+    def _import_and_register(self, module: str, name: str | None = None) -> None:
+        try:
+            plugin = importlib.import_module(module)
+        except Exception as e:  # kept, and shown when an architecture is missing
+            self.failures[name or module] = e
+            return
+        self.register_plugin(plugin, name=name or module)
+
+    def _load_entry_points(self) -> None:
+        allow = os.environ.get("ZOO_PLUGINS")
+        allowed = None if allow is None else {p.strip() for p in allow.split(",") if p.strip()}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as e:
+                self.failures[ep.name] = e
+                continue
+            self.register_plugin(plugin, name=ep.name)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def get(self, architecture: str) -> ArchSpec:
+        spec = self.specs.get(architecture)
+        if spec is not None:
+            return spec
+        raise UnsupportedArchitecture(self._unsupported_message([architecture]), dict(self.failures))
+
+    def resolve(self, config) -> ArchSpec:
+        """The spec for a config (a dict, a path to config.json or a directory, or a transformers config).
+
+        `architectures` is tried in order; without it, the model_type's `<Type>ForCausalLM` spelling
+        and any spec whose architecture lower-cases to the model_type are tried.
+        """
+        cfg = _as_dict(config)
+        archs = list(cfg.get("architectures") or [])
+        for arch in archs:
+            if arch in self.specs:
+                return self.specs[arch]
+        model_type = str(cfg.get("model_type") or "")
+        if not archs and model_type:
+            for arch, spec in self.specs.items():
+                base = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+                if base.lower() == model_type.replace("_", "").lower():
+                    return spec
+        wanted = archs or [f"model_type={model_type!r}" if model_type else "(config names no architecture)"]
+        raise UnsupportedArchitecture(self._unsupported_message(wanted), dict(self.failures))
+
+    def _unsupported_message(self, wanted: list[str]) -> str:
+        lines = [f"unsupported architecture {', '.join(wanted)}; supported: {', '.join(sorted(self.specs))}"]
+        for name, exc in self.failures.items():
+            tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            lines.append(f"plugin {name!r} failed to import: {tb}")
+        return "\n".join(lines)
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        """(architecture, family, plugin, model class) rows, sorted by architecture."""
+        return [(a, s.family, s.plugin, s.model) for a, s in sorted(self.specs.items())]
+
+
+def _table(by_plugin: dict[str, list[ArchSpec]]) -> dict[str, ArchSpec]:
+    """Architecture -> spec. Two claims on one architecture are an error unless one overrides."""
+    table: dict[str, ArchSpec] = {}
+    for specs in by_plugin.values():
+        for spec in specs:
+            for arch in spec.architectures:
+                old = table.get(arch)
+                if old is None or (spec.override and not old.override):
+                    table[arch] = spec
+                elif not old.override or spec.override:
+                    raise RegistryError(
+                        f"architecture {arch!r} is claimed by two plugins: {old.plugin!r} and {spec.plugin!r}; "
+                        f"set override=True in one ArchSpec to say which one serves it"
+                    )
+    return table
+
+
+def _as_dict(config) -> dict:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, Path)):
+        p = Path(config)
+        p = p / "config.json" if p.is_dir() else p
+        with open(p) as f:
+            return json.load(f)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(vars(config))
+
+
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry: built-ins plus allowed entry points, built on first use."""
+    global _default
+    if _default is None:
+        _default = Registry()
+    return _default

@@ -1,0 +1,69 @@
+"""The contract between the runtime and a model: one step's flattened batch and its cache.
+
+Shape legend:
+    T = tokens scheduled this step (all requests, concatenated, no padding)
+    B = requests in this step          N = positions whose logits are sampled
+    NB = blocks in the KV pool         BS = tokens per block
+    MB = max blocks of any request in this step
+
+Request i owns tokens query_start_loc[i]:query_start_loc[i+1] of the step. Its context after this
+step holds seq_lens[i] tokens: the seq_lens[i] - (query_start_loc[i+1] - query_start_loc[i]) tokens
+computed in earlier steps (or found in the prefix cache) and the new ones. Token j of the step sits
+in the KV pool at slot_mapping[j] = block * BS + offset; request i's context is, in order, the blocks
+block_tables[i, :ceil(seq_lens[i] / BS)].
+
+Cache storage belongs to the runtime. Each module that caches something declares a `cache_spec()`
+(what one token costs) and finds its storage in `kv_caches[module.prefix]`; it never allocates it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one token costs in one layer's cache: the tensor `[NB, BS, *per_token]` of `dtype`.
+
+    Attention with K/V heads: per_token = (2, num_kv_heads, head_dim)  (index 0 = K, 1 = V).
+    MLA: per_token = (kv_lora_rank + qk_rope_head_dim,), the latent and the shared rotary key.
+    `sliding_window` lets the cache manager free blocks that fell out of a window (None = full).
+    """
+
+    per_token: tuple[int, ...]
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    def bytes_per_token(self) -> int:
+        n = 1
+        for d in self.per_token:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class ForwardBatch:
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    positions: torch.Tensor  # [T] int64, absolute position of each token
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's cache row goes
+    block_tables: torch.Tensor  # [B, MB] int32, padded with 0 past each request's blocks
+    logits_indices: torch.Tensor  # [N] int64, rows of the hidden states to sample
+    kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> [NB, BS, *per_token]
+    block_size: int = 16
+    # Host copies of the small metadata, so layers can loop over requests without device syncs.
+    query_start_loc_cpu: list[int] = field(default_factory=list)  # [B+1]
+    seq_lens_cpu: list[int] = field(default_factory=list)  # [B]
+    # Per-family extras (left empty by families that do not need them).
+    state_indices: torch.Tensor | None = None  # [B] SSM: each request's slot in the state pool
+    mm_embeds: torch.Tensor | None = None  # [M, H] multimodal: encoder outputs to merge
+    mm_positions: torch.Tensor | None = None  # [M] rows of the step that are placeholders
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
