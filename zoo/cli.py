@@ -1,7 +1,8 @@
 """`zoo`: the command line. Each subcommand is a module with `add_arguments(parser)` and `run(args) -> int`.
 
 Built-in: run, list, inspect. Other packages add subcommands through the entry-point group
-"zoo.commands" (that is how `zoo parity` arrives without `zoo` importing `parity`).
+"zoo.commands" (that is how `zoo parity` arrives without `zoo` importing `parity`). Only the chosen
+subcommand's module is imported, so `zoo run` does not pay for the others.
 Exit status: 0 success, 1 a finding (divergence, strictness failure), 2 usage or environment error.
 """
 from __future__ import annotations
@@ -21,25 +22,28 @@ BUILTIN = {
 def _commands() -> dict[str, tuple[str, str]]:
     commands = dict(BUILTIN)
     for ep in importlib.metadata.entry_points(group="zoo.commands"):
-        commands.setdefault(ep.name, (ep.value, f"(from {ep.value})"))
+        commands.setdefault(ep.name, (ep.value, f"{ep.name} (from {ep.value})"))
     return commands
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = _commands()
     parser = argparse.ArgumentParser(prog="zoo", description="A plugin-based LLM model zoo.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    modules = {}
-    for name, (module, help_) in _commands().items():
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=(mod.__doc__ or help_).strip().splitlines()[0])
-        mod.add_arguments(p)
-        modules[name] = mod
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    for name, (path, help_) in commands.items():
+        p = sub.add_parser(name, help=help_)
+        if name == chosen:
+            module = importlib.import_module(path)
+            module.add_arguments(p)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    if module is None:
+        parser.print_help(sys.stderr)
         return 2
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
 
