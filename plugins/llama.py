@@ -1,0 +1,202 @@
+"""Llama, and the base classes of the dense / GQA family: attention -> MLP -> decoder layer -> model -> LM.
+
+Shape legend:
+    T = tokens of the step (all requests, flattened)    H = hidden size     V = vocab size
+    Hq = query heads    KV = key/value heads    D = head dim    I = intermediate size
+    N = rows whose logits are sampled
+
+Leaf modules take explicit keyword arguments; only the decoder layer, the model and the LM read the
+config. Module names are checkpoint names, so parameter names are checkpoint keys after LLAMA_RULES.
+
+Subclassing (Mistral, Qwen2, Qwen3, Gemma3 here; MoE plugins reuse the attention and the layer):
+    LlamaDecoderLayer.attention_kwargs(config, layer_idx) -> dict   what the attention is built with
+    LlamaDecoderLayer.make_mlp(config, layer_idx, prefix)           the feed-forward (a MoE block, ...)
+    LlamaDecoderLayer.attention_class / norm_class                  classes used by the layer
+    LlamaModel.layer_class / norm_class, LlamaModel.embed_scale(config), LlamaModel.embed(ids, batch)
+    LlamaForCausalLM.model_class
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loader.rules import Fuse, Ignore, Rules, Tie
+from registry import ArchSpec, hookimpl
+from zoo.layers.attention import Attention
+from zoo.layers.embedding import LMHead, VocabEmbedding
+from zoo.layers.linear import Linear, QKVLinear
+from zoo.layers.mlp import GatedMLP, activation
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rotary import ROPE_TYPES, RotaryEmbedding, get_rope, rope_parameters
+from zoo.runtime.batch import CacheSpec, ForwardBatch
+
+LLAMA_RULES = Rules(
+    fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"), Fuse(("gate_proj", "up_proj"), "gate_up_proj")),
+    ties=(Tie("lm_head.weight", "model.embed_tokens.weight"),),
+    ignores=(Ignore(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$",
+                    "rotary tables that old checkpoints saved; recomputed from the config"),),
+)
+RULES = LLAMA_RULES  # the shorter name other plugins import
+
+
+class LlamaAttention(nn.Module):
+    norm_class = RMSNorm  # of the optional q/k norms
+
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rope: RotaryEmbedding, scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = QKVLinear(hidden_size, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:  # per-head norms on the head dim, before the rotation
+            self.q_norm = self.norm_class(head_dim, eps=qk_norm_eps)
+            self.k_norm = self.norm_class(head_dim, eps=qk_norm_eps)
+        self.rotary_emb = rope  # a shared plain object, not a submodule
+        self.attn = Attention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
+                              softcap=softcap, prefix=f"{prefix}.attn")
+
+    def cache_spec(self) -> CacheSpec:
+        """One token of this layer's cache: (2, KV, D) in the weights' dtype; keyed by `self.prefix`."""
+        return self.attn.spec(self.o_proj.weight.dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))  # [T, (Hq+2KV)*D] -> [T, Hq*D], 2x [T, KV*D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k, batch)
+        o = self.attn(q, k, v, self.kv_cache(batch), batch)  # [T, Hq*D]
+        return self.o_proj(o)  # [T, H]
+
+    def kv_cache(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """This layer's [NB, BS, 2, KV, D] cache; None when the batch carries no caches at all."""
+        if not batch.kv_caches:
+            return None
+        cache = batch.kv_caches.get(self.prefix)
+        if cache is None:
+            raise KeyError(f"batch.kv_caches has no cache for {self.prefix!r} (it has {len(batch.kv_caches)} "
+                           f"others); allocate one for every module with cache_spec()")
+        return cache
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+    norm_class = RMSNorm
+
+    def __init__(self, config, layer_idx: int, *, prefix: str):
+        super().__init__()
+        self.prefix, self.layer_idx = prefix, layer_idx
+        self.self_attn = self.attention_class(**self.attention_kwargs(config, layer_idx), prefix=f"{prefix}.self_attn")
+        self.mlp = self.make_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def layer_type(self, config, layer_idx: int) -> str:
+        types = getattr(config, "layer_types", None)
+        return types[layer_idx] if types else "full_attention"
+
+    def attention_kwargs(self, config, layer_idx: int) -> dict:
+        head_dim = head_dim_of(config)
+        layer_type = self.layer_type(config, layer_idx)
+        bias = getattr(config, "attention_bias", False)
+        return dict(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=num_kv_heads_of(config),
+            head_dim=head_dim,
+            rope=get_rope(head_dim=head_dim, rope_parameters=rope_parameters(config, layer_type),
+                          max_position_embeddings=config.max_position_embeddings),
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_window=getattr(config, "sliding_window", None) if layer_type == "sliding_attention" else None,
+        )
+
+    def make_mlp(self, config, layer_idx: int, prefix: str) -> nn.Module:
+        return GatedMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                        hidden_act=config.hidden_act, bias=getattr(config, "mlp_bias", False), prefix=prefix)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), batch)  # [T, H]
+        hidden_states = hidden_states + h
+        h = self.mlp(self.post_attention_layernorm(hidden_states))  # [T, H]
+        return hidden_states + h
+
+
+class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+    norm_class = RMSNorm
+
+    def __init__(self, config, *, prefix: str = "model"):
+        super().__init__()
+        self.prefix = prefix
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=self.embed_scale(config))
+        self.layers = nn.ModuleList(self.layer_class(config, i, prefix=f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_scale(self, config) -> float | None:
+        return None
+
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [T] -> [T, H]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.embed(input_ids, batch)  # [T, H]
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states, batch)  # [T, H]
+        return self.norm(hidden_states)  # [T, H]
+
+
+class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
+
+    def __init__(self, config, *, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        self.model = self.model_class(config, prefix=f"{prefix}.model" if prefix else "model")
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter under two names
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)  # [T] -> [T, H]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)  # [N, H] -> [N, V]
+
+
+# -- config helpers (read the way transformers reads them) ---------------------------------------------
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def validate(config) -> None:
+    """Raise ValueError naming the config field this family cannot serve."""
+    heads, kv = config.num_attention_heads, num_kv_heads_of(config)
+    if heads % kv:
+        raise ValueError(f"config.num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    act_field = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
+    activation(getattr(config, act_field), field=f"config.{act_field}")
+    for layer_type in sorted(set(getattr(config, "layer_types", None) or ["full_attention"])):
+        rope_type = rope_parameters(config, layer_type).get("rope_type")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} (layer type {layer_type}) is not "
+                             f"supported; supported: {', '.join(ROPE_TYPES)}")
+
+
+@hookimpl
+def register_architectures(register):
+    register(ArchSpec(("LlamaForCausalLM",), "plugins.llama:LlamaForCausalLM", "dense", rules=LLAMA_RULES,
+                      validate=validate))

@@ -1,0 +1,221 @@
+"""Dense / GQA models: the zoo's logits equal transformers' on tiny checkpoints read from disk.
+
+Every case is saved with save_pretrained, built through zoo.build (registry + strict loader), and run
+through the paged cache in three schedules, each compared, token by token, with transformers (fp32,
+eager) fed the same chunks of the same requests through its own cache:
+    prefill  one prompt of 20 tokens in one step
+    decode   12 tokens, then 8 teacher-forced steps of one token
+    ragged   three requests in one batch: ragged prefill, then decode mixed with a chunked prefill,
+             then decode; blocks assigned out of order
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from batching import allocate_kv, make_batch, run_step
+from tiny import load_reference, save_tiny
+from zoo.build import build_model
+
+ATOL = 1e-4
+PROMPT = 20
+
+CASES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama-tied-bias-headdim": ("LlamaForCausalLM", dict(tie_word_embeddings=True, attention_bias=True,
+                                                         mlp_bias=True, head_dim=8)),
+    "llama-mha": ("LlamaForCausalLM", dict(num_key_value_heads=4)),
+    "llama-rope-llama3": ("LlamaForCausalLM", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "llama-rope-yarn": ("LlamaForCausalLM", dict(max_position_embeddings=64, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16))),
+    "llama-rope-linear": ("LlamaForCausalLM", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                         factor=2.0))),
+    # max_position_embeddings < the prompt, so the NTK base is recomputed as the context grows
+    "llama-rope-dynamic": ("LlamaForCausalLM", dict(max_position_embeddings=16, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "mistral-sliding": ("MistralForCausalLM", dict(sliding_window=5)),
+    # layer 0 full, layer 1 sliding (window 5 < prompt), tied head, q/k/v bias
+    "qwen2-bias-sliding-tied": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=5,
+                                                         max_window_layers=1, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3ForCausalLM", dict(head_dim=32, attention_bias=True)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=5, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
+    # final logits capped; attn_logit_softcapping is set but, as in transformers' Gemma3, not applied
+    "gemma3-softcap": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, layer_types=["full_attention", "sliding_attention"])),
+}
+
+_built: dict[str, tuple] = {}
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, checkpoint dir, zoo model, transformers model), each built once per session."""
+    name = request.param
+    if name not in _built:
+        arch, overrides = CASES[name]
+        # a wide init: attention far from uniform, so masking and rotation errors show in the logits
+        path = save_tiny(arch, tmp_path_factory.mktemp(name), initializer_range=0.2, **overrides)
+        model, _, spec, _ = build_model(path)
+        assert spec.architectures == (arch,)
+        _built[name] = (name, path, model, load_reference(path))
+    return _built[name]
+
+
+def prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, n, (length,), generator=g).tolist() for length in lengths]
+
+
+def reference_chunks(name, path, ref, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
+    """transformers' logits [n, V] for tokens[0:cuts[0]], tokens[cuts[0]:cuts[1]], ... fed through its cache."""
+    if CASES[name][1].get("rope_parameters", {}).get("rope_type") == "dynamic":
+        ref = load_reference(path)  # its rotary state grows with the longest sequence seen: start afresh
+    cache, start, out = None, 0, []
+    with torch.no_grad():
+        for cut in cuts:
+            o = ref(torch.tensor([tokens[start:cut]]), cache=cache, use_cache=True)
+            cache, start = o.cache, cut
+            out.append(o.logits[0])
+    return out
+
+
+def run_schedule(model, requests: list[list[int]], steps: list[list[tuple[int, int]]], **kw):
+    """steps: [(request, new tokens), ...] per step -> per request, the logits of each of its chunks."""
+    kv = allocate_kv(model, num_blocks=64, block_size=4)
+    done = [0] * len(requests)
+    out: list[list[torch.Tensor]] = [[] for _ in requests]
+    for step in steps:
+        seqs = [(requests[r][:done[r] + n], done[r]) for r, n in step]
+        logits = run_step(model, seqs, kv, req_ids=[r for r, _ in step], **kw)  # [T, V]
+        for (r, n), rows in zip(step, logits.split([n for _, n in step])):
+            out[r].append(rows)
+            done[r] += n
+    return out
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    assert err <= ATOL, f"{what}: max |zoo - transformers| = {err:.3g} > {ATOL} (logits up to {want.abs().max():.3g})"
+
+
+def test_prefill(case):
+    name, path, model, ref = case
+    [tokens] = prompts(model.config.vocab_size, [PROMPT])
+    [[got]] = run_schedule(model, [tokens], [[(0, PROMPT)]])
+    [want] = reference_chunks(name, path, ref, tokens, [PROMPT])
+    assert_close(got, want, f"{name} prefill")
+
+
+def test_decode(case):
+    name, path, model, ref = case
+    [tokens] = prompts(model.config.vocab_size, [PROMPT], seed=1)
+    got = run_schedule(model, [tokens], [[(0, 12)]] + [[(0, 1)]] * (PROMPT - 12))[0]
+    want = reference_chunks(name, path, ref, tokens, list(range(12, PROMPT + 1)))
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, f"{name} decode step {step} (position {12 + step - 1 if step else '0..11'})")
+
+
+def test_ragged(case):
+    name, path, model, ref = case
+    requests = prompts(model.config.vocab_size, [9, 15, 21], seed=2)
+    steps = [
+        [(0, 7), (1, 13), (2, 10)],  # ragged prefill
+        [(0, 1), (2, 10), (1, 1)],  # decode, a chunk of 10 after 10 cached, decode
+        [(2, 1), (1, 1), (0, 1)],  # decode, in another order
+    ]
+    got = run_schedule(model, requests, steps, shuffle=True)
+    for r, tokens in enumerate(requests):
+        cuts, n = [], 0
+        for step in steps:
+            n += dict(step)[r]
+            cuts.append(n)
+        want = reference_chunks(name, path, ref, tokens, cuts)
+        for step, (g, w) in enumerate(zip(got[r], want)):
+            assert_close(g, w, f"{name} ragged request {r} step {step}")
+
+
+def test_sampled_rows_only(case):
+    """logits_indices picks each request's last token; the rows equal those of the all-rows run."""
+    name, _, model, _ = case
+    requests = prompts(model.config.vocab_size, [6, 11], seed=3)
+    seqs = [(t, 0) for t in requests]
+    full = run_step(model, seqs, allocate_kv(model), all_logits=True)
+    last = run_step(model, seqs, allocate_kv(model), all_logits=False)
+    assert last.shape == (2, model.config.vocab_size)
+    assert_close(last, full[[5, 16]], f"{name} last rows")
+
+
+def test_prompt_without_cache_equals_paged(case):
+    """A batch with no KV caches at all attends within its own tokens (whole prompts)."""
+    name, _, model, _ = case
+    requests = prompts(model.config.vocab_size, [8, 13], seed=4)
+    seqs = [(t, 0) for t in requests]
+    paged = run_step(model, seqs, allocate_kv(model))
+    ids, batch = make_batch(seqs, {})
+    with torch.no_grad():
+        bare = model.compute_logits(model(ids, batch.positions, batch))
+    assert_close(bare, paged, f"{name} without cache")
+
+
+def test_tied_head_is_one_parameter(tmp_path):
+    path = save_tiny("Qwen2ForCausalLM", tmp_path, tie_word_embeddings=True)
+    model, _, _, report = build_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    assert any(t.param == "lm_head.weight" and t.tied for t in report.ties), str(report)
+
+
+def test_untied_head_is_its_own_parameter(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path, tie_word_embeddings=False)
+    model, *_ = build_model(path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_cache_specs_follow_layers(tmp_path):
+    """One cache per attention layer, keyed by its checkpoint prefix; windows only on sliding layers."""
+    path = save_tiny("Gemma3ForCausalLM", tmp_path, head_dim=16, sliding_window=5, num_hidden_layers=3,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model, *_ = build_model(path, dtype=torch.bfloat16)
+    specs = {m.prefix: m.cache_spec() for m in model.modules() if hasattr(m, "cache_spec")}
+    assert list(specs) == [f"model.layers.{i}.self_attn" for i in range(3)]
+    assert [s.sliding_window for s in specs.values()] == [5, None, 5]
+    assert all(s.per_token == (2, 2, 16) and s.dtype == torch.bfloat16 for s in specs.values())
+
+
+def test_bfloat16_runs_close_to_reference(tmp_path):
+    """A bf16 build runs through the cache and stays near the fp32 reference (the dtype plumbing works)."""
+    path = save_tiny("Gemma3ForCausalLM", tmp_path, head_dim=16, sliding_window=5, initializer_range=0.2)
+    model, *_ = build_model(path, dtype=torch.bfloat16)
+    [tokens] = prompts(128, [10])
+    got = run_step(model, [(tokens, 0)], allocate_kv(model)).float()
+    with torch.no_grad():
+        want = load_reference(path)(torch.tensor([tokens])).logits[0]
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_unsupported_config_names_the_field(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path, hidden_act="gelu_new")
+    with pytest.raises(ValueError, match="hidden_act='gelu_new'"):
+        build_model(path)
+
+
+def test_saved_rotary_buffers_are_ignored_with_a_reason(tmp_path):
+    """Old checkpoints carry `rotary_emb.inv_freq`; the rules drop it on purpose and the report says why."""
+    path = save_tiny("LlamaForCausalLM", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    _, _, _, report = build_model(path)
+    [(key, _, reason)] = report.ignored
+    assert key == "model.layers.0.self_attn.rotary_emb.inv_freq" and "recomputed" in reason

@@ -1,0 +1,51 @@
+"""Token embedding and LM head.
+
+Shape legend:
+    T = tokens    N = rows whose logits are wanted    V = vocab size    H = hidden size
+
+A tied head holds the embedding's Parameter itself (`lm_head.weight is embed_tokens.weight`), so
+`named_parameters(remove_duplicate=False)` lists both names and the loader's Tie rule decides from the
+checkpoint whether they stay one tensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    """weight [V, H]; `scale` multiplies the rows (Gemma: sqrt(H), rounded to the weight's dtype first)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, scale: float | None = None):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.scale = vocab_size, hidden_size, scale
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.weight)  # [T] -> [T, H]
+        if self.scale is not None:
+            # as transformers: a float32 normaliser cast to the weight's dtype (sqrt(3072) is 55.5 in bf16, not 55.43)
+            x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(self.weight.dtype)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab_size}, {self.hidden_size}, scale={self.scale}"
+
+
+class LMHead(nn.Module):
+    """logits = hidden W^T, weight [V, H]; `softcap` applies tanh capping (Gemma's final_logit_softcapping)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, softcap: float | None = None):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.softcap = vocab_size, hidden_size, softcap
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [N, H] -> [N, V]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab_size}, {self.hidden_size}, softcap={self.softcap}"

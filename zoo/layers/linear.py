@@ -1,0 +1,57 @@
+"""Linear layers, plain and fused. Parameters are created uninitialised: the loader fills them.
+
+Shape legend:
+    T = tokens    I = input features    O = output features (the sum of the shards when fused)
+    H = query heads    KV = key/value heads    D = head dim
+
+A fused weight carries `weight.shard_sizes` (and `bias.shard_sizes`): the rows each checkpoint tensor
+fills, in order. The loader's Fuse rule reads it to slice `q_proj` / `k_proj` / `v_proj` into `qkv_proj`
+and `gate_proj` / `up_proj` into `gate_up_proj`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weight [O, I] as in the checkpoint."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))  # [O, I]
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None  # [O]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several linears of one input stacked along the output: out = cat(x W_0^T, x W_1^T, ...)."""
+
+    def __init__(self, input_size: int, output_sizes: tuple[int, ...], *, bias: bool = False):
+        super().__init__(input_size, sum(output_sizes), bias=bias)
+        self.output_sizes = tuple(output_sizes)
+        self.weight.shard_sizes = self.output_sizes  # rows of each checkpoint shard, in order
+        if self.bias is not None:
+            self.bias.shard_sizes = self.output_sizes
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, O] -> one [T, O_i] per shard."""
+        return out.split(self.output_sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={'+'.join(map(str, self.output_sizes))}, bias={self.bias is not None}"
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections in one weight [(H + 2 KV) * D, I]."""
+
+    def __init__(self, hidden_size: int, *, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        super().__init__(hidden_size, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
+                         bias=bias)
