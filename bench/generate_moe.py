@@ -1,0 +1,118 @@
+"""MoE generation benchmark: the zoo runtime against transformers' generate, on one random-weight Mixtral.
+
+    python bench/generate_moe.py                      # 8 experts top-2, hidden 1024, expert MLP 2048, 8 layers
+    python bench/generate_moe.py --layers 2 --quick   # a smoke run
+
+The checkpoint is built by transformers with random weights and saved once under bench/out/ (both sides
+read the same files). Workloads, greedy, `--new` tokens each, EOS ignored:
+    1 x P     one prompt of `--prompt` tokens
+    B x P     `--batch` prompts of `--prompt` tokens at once (equal lengths: transformers needs no padding)
+Rows: the zoo (zoo.LLM: paged KV, continuous batching, grouped expert dispatch) and transformers with its
+default experts implementation and with "eager"; each timed as the best of `--repeat` runs after a warm-up.
+ratio = transformers time / zoo time (above 1: the zoo is faster). `same tokens` compares greedy outputs
+with the zoo's (float32 random weights: routing ties can make a long continuation drift).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+def checkpoint(args) -> Path:
+    import transformers
+
+    path = OUT / f"mixtral-e{args.experts}k{args.top_k}-h{args.hidden}-i{args.intermediate}-l{args.layers}"
+    if (path / "config.json").exists():
+        return path
+    config = transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 256,
+        num_local_experts=args.experts, num_experts_per_tok=args.top_k, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+    config.architectures = ["MixtralForCausalLM"]
+    torch.manual_seed(0)
+    print(f"building {path.name} ...", file=sys.stderr)
+    transformers.MixtralForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+def best_of(fn, repeat: int) -> tuple[float, object]:
+    fn()  # warm-up
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--quick", action="store_true", help="hidden 256, expert MLP 512, 16 new tokens, 1 repeat")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.hidden, args.intermediate, args.new, args.repeat = 256, 512, 16, 1
+
+    import transformers
+
+    from zoo import LLM, SamplingParams
+
+    path = checkpoint(args)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 32000, (args.batch, args.prompt), generator=g)  # [B, P]
+    llm = LLM(str(path), dtype="float32", block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
+    refs = {}
+    for impl in ("default", "eager"):
+        kw = {} if impl == "default" else {"experts_implementation": "eager"}
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+        ref.generation_config.eos_token_id = None
+        refs[f"transformers ({ref.config._experts_implementation} experts)"] = ref
+
+    def zoo_run(batch):
+        return lambda: [list(o.token_ids) for o in llm.generate([p.tolist() for p in batch], params)]
+
+    def hf_run(ref, batch):
+        def run():
+            with torch.inference_mode():
+                out = ref.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.new,
+                                   do_sample=False, pad_token_id=0)
+            return out[:, batch.shape[1]:].tolist()
+        return run
+
+    print(f"Mixtral, random weights, float32, {torch.get_num_threads()} threads: {args.experts} experts top-"
+          f"{args.top_k}, hidden {args.hidden}, expert MLP {args.intermediate}, {args.layers} layers; "
+          f"{args.new} new tokens per prompt")
+    print(f"{'workload':<10} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
+    for name, batch in ((f"1 x {args.prompt}", prompts[:1]), (f"{args.batch} x {args.prompt}", prompts)):
+        new_tokens = batch.shape[0] * args.new
+        t_zoo, ours = best_of(zoo_run(batch), args.repeat)
+        print(f"{name:<10} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}")
+        for label, ref in refs.items():
+            t, theirs = best_of(hf_run(ref, batch), args.repeat)
+            same = sum(a == b for a, b in zip(ours, theirs))
+            print(f"{name:<10} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Mixture-of-experts: a top-k router, experts stored stacked, grouped dispatch, an optional shared expert.
+
+Shape legend:
+    T = tokens (flattened, no batch axis)   H = hidden size       E = routed experts
+    K = experts per token (top-k)           I = expert intermediate size
+    A = T * K token->expert assignments     n = assignments of one expert
+
+Names follow transformers' modules so that checkpoint keys and parity taps join by name:
+
+    mlp.gate                    TopKRouter; weight [E, H] = checkpoint `mlp.gate.weight`
+    mlp.experts                 StackedExperts
+    mlp.experts.gate_up_proj    weight [E, 2I, H]: row e = cat(experts.{e}.gate_proj, experts.{e}.up_proj)
+    mlp.experts.down_proj       weight [E, H, I]:  row e = experts.{e}.down_proj
+    mlp.shared_expert           a dense gated MLP (Qwen2-MoE), built by the caller
+    mlp.shared_expert_gate      weight [1, H]
+
+Loader rules for the per-expert hub layout: Stack("experts") + Fuse(("gate_proj", "up_proj"),
+"gate_up_proj"); the gate_up weight carries `shard_sizes = (I, I)`, the fused dim being dim 0 of each
+expert's row (dim 1 of the stacked parameter).
+
+Router taps: `gate` returns what transformers' TopKRouter returns, `(router_logits [T, E], topk_weights
+[T, K], topk_ids [T, K])`, so a forward hook on `mlp.gate` captures the router logits (output[0]) and the
+chosen experts (output[2]) on both sides. `experts(hidden, topk_ids, topk_weights)` also has transformers'
+signature and returns the weighted sum of the routed experts [T, H].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.layers.linear import Linear
+from zoo.layers.mlp import activation
+
+
+class TopKRouter(nn.Module):
+    """Scores every expert for every token and keeps the top k.
+
+    scoring: "softmax" or "sigmoid", computed in float32 (as transformers does).
+    renormalize: divide the kept k weights by their sum (Mixtral always; Qwen/OLMoE when norm_topk_prob).
+    weights_in_input_dtype: cast the kept weights back to the input dtype (Qwen2-MoE, Qwen3-MoE, OLMoE);
+        Mixtral keeps them in float32 and the combine multiplies in float32.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
+                 renormalize: bool = True, weights_in_input_dtype: bool = True, prefix: str = ""):
+        super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"{prefix}: router scoring {scoring!r} is not 'softmax' or 'sigmoid'")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"{prefix}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.prefix = prefix
+        self.top_k, self.num_experts = top_k, num_experts
+        self.scoring, self.renormalize, self.weights_in_input_dtype = scoring, renormalize, weights_in_input_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [T, E]
+        scores = logits.float().softmax(-1) if self.scoring == "softmax" else logits.float().sigmoid()  # [T, E]
+        weights, ids = torch.topk(scores, self.top_k, dim=-1)  # [T, K], [T, K]
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.weights_in_input_dtype:
+            weights = weights.to(x.dtype)
+        return logits, weights, ids
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, renormalize={self.renormalize}"
+
+
+class StackedWeight(nn.Module):
+    """One weight per expert, stacked: `weight [E, out, in]`, so the key reads `<name>.weight`."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))  # [E, out, in]
+
+
+class StackedExperts(nn.Module):
+    """E gated MLPs held as two stacked weights; each expert runs once on its contiguous slice of tokens."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, hidden_act: str = "silu",
+                 prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.act = activation(hidden_act, field=f"{prefix}: hidden_act")
+        self.gate_up_proj = StackedWeight(num_experts, 2 * intermediate_size, hidden_size)  # [E, 2I, H]
+        self.gate_up_proj.weight.shard_sizes = (intermediate_size, intermediate_size)  # gate rows, then up rows
+        self.down_proj = StackedWeight(num_experts, hidden_size, intermediate_size)  # [E, H, I]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [A]
+        order = torch.argsort(flat_ids, stable=True)  # [A] assignments grouped by expert, token order kept
+        token_of = order // k  # [A] the token each sorted assignment belongs to
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # [E], one host sync
+        x_sorted = x[token_of]  # [A, H]
+        y_sorted = torch.empty_like(x_sorted)  # [A, H]
+        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = F.linear(x_sorted[start:start + n], w13[e]).chunk(2, dim=-1)  # [n, 2I] -> 2 x [n, I]
+            y_sorted[start:start + n] = F.linear(self.act(gate) * up, w2[e])  # [n, H]
+            start += n
+        weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
+        return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; on CPU summed in expert-id order, as transformers
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, intermediate={self.intermediate_size}"
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ an optional shared expert with a sigmoid gate, Qwen2-MoE).
+
+    `shared_expert` is any module mapping [T, H] -> [T, H] (the dense MLP of the model family);
+    when given, the block also owns `shared_expert_gate` (weight [1, H]).
+    """
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 hidden_act: str = "silu", scoring: str = "softmax", renormalize: bool = True,
+                 weights_in_input_dtype: bool = True, shared_expert: nn.Module | None = None, prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, scoring=scoring, renormalize=renormalize,
+                               weights_in_input_dtype=weights_in_input_dtype, prefix=f"{prefix}.gate")
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, hidden_act=hidden_act,
+                                      prefix=f"{prefix}.experts")
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = Linear(hidden_size, 1)  # [H] -> [1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, topk_weights, topk_ids = self.gate(x)  # [T, K], [T, K]
+        out = self.experts(x, topk_ids, topk_weights)  # [T, H]
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
+        return out
