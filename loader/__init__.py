@@ -1,0 +1,18 @@
+"""A strict checkpoint loader: every checkpoint tensor and every element of every parameter is
+accounted for, and all problems are reported together. Imports nothing else of the zoo.
+
+    from loader import open_source, plan, load, Rules
+    with torch.device("meta"):
+        model = MyModel(config)
+    report = load(model, "path/or/org-name", rules, dtype=torch.bfloat16, device="cuda")
+"""
+from loader.load import LoadReport, load
+from loader.mapping import Region
+from loader.plan import Entry, Plan, TieDecision, lossy, plan
+from loader.problems import LoadError, Problem, SourceError
+from loader.rules import Fuse, Ignore, Rename, Rules, Stack, Tie
+from loader.sources import Source, TensorInfo, open_source
+
+__all__ = ["Entry", "Fuse", "Ignore", "LoadError", "LoadReport", "Plan", "Problem", "Region", "Rename",
+           "Rules", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "load", "lossy",
+           "open_source", "plan"]

@@ -1,0 +1,1 @@
+"""The flattened-token runtime: requests, scheduler, paged KV cache, model runner, sampler, engine."""

@@ -1,0 +1,101 @@
+"""load(): fill a module (typically built on the meta device) from a checkpoint, strictly.
+
+Parameters are allocated once on the target device and dtype; tensors stream one at a time, in file
+order, into their destination slices. The module is touched only at the end, and only if every
+check passed: after a LoadError it holds exactly what it held before.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from loader.mapping import Region
+from loader.plan import TieDecision, plan
+from loader.problems import LoadError, Problem
+from loader.rules import Rules
+from loader.sources import Source, open_source
+
+
+@dataclass
+class LoadReport:
+    source: str
+    tensors: int = 0
+    parameters: int = 0  # distinct tensors allocated (tied parameters count once)
+    bytes: int = 0  # bytes read from the checkpoint
+    seconds: float = 0.0
+    provenance: dict[str, list[tuple[str, str, Region]]] = field(default_factory=dict)  # param -> (key, file, region)
+    ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (key, file, reason)
+    ties: list[TieDecision] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        s = (f"loaded {self.tensors} tensors ({self.bytes / 1e6:.1f} MB) into {self.parameters} parameters "
+             f"in {self.seconds:.2f} s from {self.source}")
+        if self.ignored:
+            s += f"; {len(self.ignored)} ignored"
+        return "\n".join([s] + [f"  {t}" for t in self.ties])
+
+
+def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
+         device="cpu", check_finite: bool = False,
+         progress: Callable[[int, int], None] | None = None) -> LoadReport:
+    """Load `source` (a Source, a directory, a file or a hub id) into `module`; raise LoadError listing
+    every problem. progress(bytes_done, bytes_total) is called after each tensor."""
+    t0 = time.perf_counter()
+    source = open_source(source, strict=False)
+    p = plan(module, source, rules, dtype=dtype)
+    if p.problems:
+        raise LoadError(p.problems, f"{len(p.problems)} problems: {source.directory} does not fit "
+                                    f"{type(module).__name__} (nothing was loaded)")
+    device = torch.device(device)
+    written = {e.param for e in p.entries}  # (a persistent buffer the checkpoint lacks keeps its value)
+    storage = {n: torch.empty(p.params[n].shape, dtype=p.dtypes[n], device=device)
+               for n, o in p.owner.items() if n == o and (n in written or not p.params[n].buffer)}
+    report = LoadReport(str(source.directory), ignored=p.ignored, ties=p.ties, parameters=len(storage))
+    total = sum(source.info(e.key).nbytes for e in p.entries)
+    problems: list[Problem] = []
+    for e in sorted(p.entries, key=lambda e: source.order(e.key)):
+        dest = e.region.view(storage[e.param])
+        report.bytes += source.read_into(e.key, dest)
+        report.tensors += 1
+        report.provenance.setdefault(e.param, []).append((e.key, e.file, e.region))
+        if check_finite and dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
+            bad = int((~torch.isfinite(dest)).sum())
+            problems.append(Problem("nonfinite", e.key, e.file, f"{e.param}{e.region}",
+                                    f"{e.key} in {e.file} has {bad} NaN/Inf values (-> {e.param}{e.region})"))
+        if progress is not None:
+            progress(report.bytes, total)
+    if problems:
+        raise LoadError(problems, f"{len(problems)} problems in {source.directory} (nothing was loaded)")
+    _swap_in(module, p, storage, device)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], device: torch.device) -> None:
+    old = dict(module.named_parameters(remove_duplicate=False))
+    new_params: dict[str, torch.nn.Parameter] = {}
+    for name, owner in p.owner.items():
+        if p.params[name].buffer:
+            if owner in storage:
+                _set(module, name, storage[owner], buffer=True)
+            continue
+        if owner not in new_params:
+            t = storage[owner]
+            was = old[owner]
+            new = torch.nn.Parameter(t, requires_grad=was.requires_grad and t.is_floating_point())
+            new.__dict__.update(was.__dict__)  # layer attributes such as shard_sizes
+            new_params[owner] = new
+        _set(module, name, new_params[owner], buffer=False)
+    for mod in module.modules():  # buffers the checkpoint does not hold follow the parameters
+        for leaf, b in mod._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                mod._buffers[leaf] = b.to(device)
+
+
+def _set(module: torch.nn.Module, name: str, value, *, buffer: bool) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(mod_name) if mod_name else module
+    (sub._buffers if buffer else sub._parameters)[leaf] = value

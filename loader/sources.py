@@ -1,0 +1,378 @@
+"""Checkpoint sources: where tensors come from, read one at a time without loading a whole file.
+
+    source = open_source("dir/" | "org/name" | "model.gguf" | "model.safetensors")
+    source.keys() -> sorted keys;  source.info(key) -> TensorInfo(shape, dtype, file)
+    source.get(key) -> tensor (memory-mapped, copy-on-write);  source.read_into(key, out) -> bytes read
+
+Safetensors headers are parsed here (8-byte length + JSON), so a plan needs no tensor data, and
+each read maps only one tensor's bytes and unmaps them after the copy into the destination (no mapped
+pages stay resident): that keeps a load's peak memory at about the weight bytes.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loader.problems import Problem, SourceError
+from loader.rules import Rules
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+SHARD_NAME = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: str  # file name, relative to the source directory
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class Source:
+    """A set of named tensors on disk. Subclasses fill `_infos` and implement `get`."""
+
+    kind = "source"
+
+    def __init__(self, directory: Path, files: list[Path]):
+        self.directory = Path(directory)  # where config.json and the tokenizer files live
+        self.files = list(files)
+        self.problems: list[Problem] = []  # source-level inconsistencies found when opening
+        self.rules = Rules()  # rules this kind of file needs whatever the model (added by plan/load)
+        self._infos: dict[str, TensorInfo] = {}
+
+    def keys(self) -> list[str]:
+        return sorted(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        try:
+            return self._infos[key]
+        except KeyError:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {key!r}") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_into(self, key: str, out: torch.Tensor) -> int:
+        """Copy tensor `key` into `out` (same shape, any dtype/device); returns the bytes read."""
+        out.copy_(self.get(key))
+        return self.info(key).nbytes
+
+    def order(self, key: str) -> tuple:
+        """A sort key that makes a stream read each file front to back."""
+        return (self.info(key).file, 0)
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.directory} ({len(self.files)} files, {len(self)} tensors)>"
+
+
+class SafetensorsSource(Source):
+    kind = "safetensors"
+
+    def __init__(self, directory: Path, files: list[Path], index: Path | None = None):
+        super().__init__(directory, files)
+        self._where: dict[str, tuple[Path, int, int]] = {}  # key -> (file, begin, end) in bytes
+        holdings = {f: _read_header(f, self.directory) for f in files if f.exists()}
+        weight_map = _weight_map(index) if index else None
+        key_file = _cross_check(self.directory, index, weight_map, {f: list(h) for f, h in holdings.items()},
+                                files, self.problems)
+        for key, f in key_file.items():
+            dtype, shape, begin, end = holdings[f][key]
+            info = TensorInfo(shape, dtype, _rel(f, self.directory))
+            if end - begin != info.nbytes:
+                self.problems.append(Problem("file", key, info.file, None,
+                    f"{key} in {info.file}: header says {end - begin} bytes for {list(shape)} {dtype}"))
+                continue
+            self._infos[key] = info
+            self._where[key] = (f, begin, end)
+
+    def order(self, key: str) -> tuple:
+        f, begin, _ = self._where[key]
+        return (str(f), begin)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor, backed by a private (copy-on-write) mapping of just its bytes in the file."""
+        info = self.info(key)
+        f, begin, end = self._where[key]
+        if end == begin:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return _typed(self._map(key), info)
+
+    def read_into(self, key: str, out: torch.Tensor) -> int:
+        """Map the tensor's bytes, copy (and cast) them into `out`, unmap: no page stays resident."""
+        f, begin, end = self._where[key]
+        if end > begin:
+            info = self.info(key)
+            src = self._map(key)
+            out.copy_(_typed(src, info))
+            m = src._zoo_mapping
+            del src
+            try:
+                m.close()
+            except BufferError:  # still viewed somewhere: unmapped when that goes
+                pass
+        return end - begin
+
+    def _map(self, key: str) -> torch.Tensor:
+        f, begin, end = self._where[key]
+        try:
+            return _map(f, begin, end)
+        except (ValueError, OSError) as e:
+            file = self.info(key).file
+            raise SourceError([Problem("file", key, file, None, f"{key}: bytes {begin}:{end} of {file} "
+                                       f"cannot be read ({type(e).__name__}: {e}); is the file truncated?")]) from e
+
+
+def _map(f: Path, begin: int, end: int) -> torch.Tensor:
+    """Bytes [begin, end) of file f as a uint8 tensor over a private mapping (kept alive by the tensor)."""
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    with open(f, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), end - start, offset=start, access=mmap.ACCESS_COPY)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):
+        m.madvise(mmap.MADV_SEQUENTIAL)
+    t = torch.frombuffer(m, dtype=torch.uint8, count=end - begin, offset=begin - start)
+    t._zoo_mapping = m  # (frombuffer keeps `m` alive; read_into finds it here to unmap it at once)
+    return t
+
+
+def _typed(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """uint8 bytes -> the tensor they hold (copied first when the bytes are not aligned to the dtype)."""
+    if raw.data_ptr() % info.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(info.dtype).view(info.shape)
+
+
+class BinSource(Source):
+    """PyTorch pickles, read with torch.load(weights_only=True, mmap=True); only with allow_bin=True."""
+
+    kind = "bin"
+
+    def __init__(self, directory: Path, files: list[Path], index: Path | None = None):
+        super().__init__(directory, files)
+        self._dicts: dict[Path, dict] = {}
+        for f in files:
+            if f.exists():
+                try:
+                    sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
+                    sd = torch.load(f, map_location="cpu", weights_only=True)
+                self._dicts[f] = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        weight_map = _weight_map(index) if index else None
+        key_file = _cross_check(self.directory, index, weight_map, {f: list(d) for f, d in self._dicts.items()},
+                                files, self.problems)
+        self._file_of = key_file
+        for key, f in key_file.items():
+            t = self._dicts[f][key]
+            self._infos[key] = TensorInfo(tuple(t.shape), t.dtype, _rel(f, self.directory))
+
+    def get(self, key: str) -> torch.Tensor:
+        self.info(key)
+        return self._dicts[self._file_of[key]][key]
+
+
+def open_source(path_or_hub_id, *, allow_bin: bool = False, cache_dir=None, revision: str | None = None,
+                strict: bool = True) -> Source:
+    """A Source for a local directory or file (safetensors, sharded safetensors, .gguf, .bin with
+    allow_bin=True) or a hub id resolved through the huggingface_hub cache (HF_HUB_OFFLINE honoured).
+
+    strict=True raises SourceError when the files disagree with each other (index vs shards); with
+    strict=False those problems stay in `source.problems` (plan() and load() report them with the rest).
+    """
+    if isinstance(path_or_hub_id, Source):
+        return path_or_hub_id
+    path = Path(os.path.expanduser(str(path_or_hub_id)))
+    if not path.exists():
+        if not _looks_like_hub_id(str(path_or_hub_id)):
+            raise SourceError([], f"{path_or_hub_id}: no such file or directory (and not a hub id 'org/name')")
+        path = _from_hub(str(path_or_hub_id), allow_bin=allow_bin, cache_dir=cache_dir, revision=revision)
+    source = _open_local(path, allow_bin)
+    if strict and source.problems:
+        raise SourceError(source.problems, f"checkpoint {path} is inconsistent")
+    return source
+
+
+def _open_local(path: Path, allow_bin: bool) -> Source:
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from loader.gguf import GGUFSource  # the gguf package is imported only for GGUF files
+
+            return GGUFSource(path)
+        if path.suffix == ".safetensors":
+            return SafetensorsSource(path.parent, [path])
+        if path.name.endswith(".safetensors.index.json"):
+            return SafetensorsSource(path.parent, _index_files(path), index=path)
+        if path.suffix in (".bin", ".pt", ".pth") or path.name.endswith(".bin.index.json"):
+            return _open_bin(path.parent, allow_bin, path)
+        raise SourceError([], f"{path}: not a checkpoint file (.safetensors, .gguf, .bin)")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return SafetensorsSource(path, _index_files(index, also=sorted(path.glob("*.safetensors"))), index=index)
+    if (path / "model.safetensors").exists():
+        return SafetensorsSource(path, [path / "model.safetensors"])
+    if st := sorted(path.glob("*.safetensors")):
+        return SafetensorsSource(path, st)
+    if (path / "pytorch_model.bin.index.json").exists() or sorted(path.glob("*.bin")):
+        return _open_bin(path, allow_bin, None)
+    if len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return _open_local(ggufs[0], allow_bin)
+    raise SourceError([], f"no weights in {path}: looked for model.safetensors, model.safetensors.index.json, "
+                          f"*.safetensors, one *.gguf (and pytorch_model*.bin with allow_bin=True)")
+
+
+def _open_bin(directory: Path, allow_bin: bool, file: Path | None) -> BinSource:
+    index = directory / "pytorch_model.bin.index.json"
+    if file is not None and file.name.endswith(".index.json"):
+        index, file = file, None
+    if file is not None:
+        files, index = [file], None
+    elif index.exists():
+        files = _index_files(index, also=sorted(directory.glob("*.bin")))
+    else:
+        files, index = sorted(directory.glob("*.bin")), None
+    names = ", ".join(_rel(f, directory) for f in files) or _rel(index, directory)
+    if not allow_bin:
+        raise SourceError([], f"{directory} holds PyTorch pickle weights ({names}), which can run code when "
+                              f"loaded; refused. Pass allow_bin=True to read them with "
+                              f"torch.load(weights_only=True), or convert them to safetensors")
+    return BinSource(directory, files, index=index)
+
+
+def _read_header(f: Path, directory: Path) -> dict[str, tuple]:
+    """key -> (dtype, shape, begin, end), byte offsets absolute in the file."""
+    with open(f, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise SourceError([], f"{_rel(f, directory)}: not a safetensors file (shorter than its header)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:
+            raise SourceError([], f"{_rel(f, directory)}: unreadable safetensors header: {e}") from None
+    out = {}
+    for key, h in header.items():
+        if key == "__metadata__":
+            continue
+        if h["dtype"] not in SAFETENSORS_DTYPES:
+            raise SourceError([], f"{_rel(f, directory)}: {key} has dtype {h['dtype']}, which torch cannot hold")
+        begin, end = h["data_offsets"]
+        out[key] = (SAFETENSORS_DTYPES[h["dtype"]], tuple(h["shape"]), 8 + n + begin, 8 + n + end)
+    return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    with open(index) as f:
+        return json.load(f)["weight_map"]
+
+
+def _index_files(index: Path, also: list[Path] = ()) -> list[Path]:
+    """The shards an index names, plus other files of the same kind in the directory (checked too)."""
+    named = {index.parent / f for f in _weight_map(index).values()}
+    return sorted(named | {f for f in also if SHARD_NAME.search(f.name)})
+
+
+def _cross_check(directory: Path, index: Path | None, weight_map: dict[str, str] | None,
+                 holdings: dict[Path, list[str]], files: list[Path], problems: list[Problem]) -> dict[str, Path]:
+    """key -> the file that holds it; every disagreement between the index and the files is a problem."""
+    where: dict[str, list[Path]] = {}
+    for f, keys in holdings.items():
+        for k in keys:
+            where.setdefault(k, []).append(f)
+    iname = _rel(index, directory) if index else None
+    if weight_map is not None:
+        listed = {directory / f for f in weight_map.values()}
+        for f in sorted(listed):
+            if not f.exists():
+                ks = sorted(k for k, v in weight_map.items() if directory / v == f)
+                problems.append(Problem("file", ks[0], _rel(f, directory), None,
+                    f"{_rel(f, directory)} is listed in {iname} (for {len(ks)} keys: {_some(ks)}) "
+                    f"but is not in {directory}"))
+        for f in files:  # (other safetensors files, e.g. a consolidated.safetensors, are not shards)
+            if f.exists() and f not in listed and SHARD_NAME.search(f.name):
+                ks = holdings.get(f, [])
+                problems.append(Problem("file", None, _rel(f, directory), None,
+                    f"{_rel(f, directory)} is in {directory} but not listed in {iname}; "
+                    f"its {len(ks)} tensors ({_some(ks)}) would be ignored"))
+        for k, v in weight_map.items():
+            f = directory / v
+            if f.exists() and f not in where.get(k, []):
+                problems.append(Problem("file", k, v, None, f"{k}: {iname} says {v} holds it, but {v} does not"))
+    key_file = {}
+    for k, fs in where.items():
+        if len(fs) > 1:
+            names = [_rel(f, directory) for f in fs]
+            problems.append(Problem("duplicate", k, ", ".join(names), None,
+                f"{k} is in {len(fs)} files: {' and '.join(names)}"))
+        chosen = fs[0]
+        if weight_map is not None:
+            if k not in weight_map:
+                if fs[0] in listed:  # (a file the index does not list is reported once, above)
+                    problems.append(Problem("file", k, _rel(fs[0], directory), None,
+                        f"{k} is in {_rel(fs[0], directory)} but not in {iname}"))
+            elif directory / weight_map[k] in fs:
+                chosen = directory / weight_map[k]
+        key_file[k] = chosen
+    return key_file
+
+
+def _from_hub(repo_id: str, *, allow_bin: bool, cache_dir, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants
+
+    try:
+        # the small files first; then, when an index names the shards, only those (a repo may also hold
+        # the same weights in another layout, such as a consolidated.safetensors)
+        kw = dict(revision=revision, cache_dir=cache_dir)
+        path = Path(snapshot_download(repo_id, allow_patterns=[p for p in HUB_PATTERNS if "safetensors" not in p], **kw))
+        for index_name, kind in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "*.bin")):
+            if (path / index_name).exists() and (kind != "*.bin" or allow_bin):
+                shards = sorted(set(_weight_map(path / index_name).values()))
+                return Path(snapshot_download(repo_id, allow_patterns=shards, **kw))
+        patterns = ["*.safetensors"] + (["*.bin"] if allow_bin else [])
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, **kw))
+    except Exception as e:
+        where = cache_dir or constants.HF_HUB_CACHE
+        offline = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if constants.HF_HUB_OFFLINE else ""
+        raise SourceError([], f"hub model {repo_id!r} (revision {revision or 'main'}) is not available in the "
+                              f"cache {where}{offline}: {type(e).__name__}: {e}") from e
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", s) is not None
+
+
+def _rel(f: Path, directory: Path) -> str:
+    try:
+        return str(Path(f).relative_to(directory))
+    except ValueError:
+        return str(f)
+
+
+def _some(keys: list[str], n: int = 3) -> str:
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")

@@ -1,0 +1,87 @@
+"""Check that the zoo computes what transformers computes, layer by layer in float32.
+
+    zoo parity MODEL [--prompts FILE] [--scenario NAME ...] [--tol key=value ...] [--json PATH] [--html PATH]
+    zoo parity --tiny CONFIG      (a directory with config.json, or the file: shrunk, random weights)
+
+Exit status: 0 every scenario passes, 1 a divergence, 2 a usage or loading error.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+
+from parity import SCENARIOS
+from parity.tolerances import BASE, parse_overrides  # light imports only: `zoo` loads this module for every command
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", help="a local checkpoint directory, a .gguf file or a hub id (cached)")
+    parser.add_argument("--tiny", metavar="CONFIG",
+                        help="build a shrunken random-weight checkpoint from CONFIG (config.json or its directory) "
+                             "and run parity on it")
+    parser.add_argument("--keep-tiny", metavar="DIR", help="with --tiny: save the tiny checkpoint in DIR (kept)")
+    parser.add_argument("--prompts", metavar="FILE",
+                        help="prompts: a text file (one a line) or a .json list of strings or token-id lists")
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, metavar="NAME",
+                        help=f"run only these scenarios (repeatable): {', '.join(SCENARIOS)}")
+    parser.add_argument("--tol", action="append", metavar="KEY=VALUE",
+                        help=f"override a tolerance (repeatable); keys: {', '.join(BASE)}")
+    parser.add_argument("--json", metavar="PATH", help="write the full machine-readable report")
+    parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report (heatmap, KL distribution)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=4, help="decode scenario: tokens generated (default 4)")
+    parser.add_argument("--block-size", type=int, default=4, help="KV block size of the runtime (default 4)")
+    parser.add_argument("--chunk-tokens", type=int, default=7, help="chunked scenario: token budget per step")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-replay", action="store_true", help="skip the per-layer replay (localisation)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args) -> int:
+    from parity.harness import ParityUsageError, run_parity
+    from parity.html import write_html
+    from parity.report import format_summary, write_json
+
+    if bool(args.model) == bool(args.tiny):
+        print("zoo parity: give MODEL or --tiny CONFIG (one of them)", file=sys.stderr)
+        return 2
+    try:
+        overrides = parse_overrides(args.tol)
+    except ValueError as e:
+        print(f"zoo parity: {e}", file=sys.stderr)
+        return 2
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    tmp = None
+    try:
+        model = args.model
+        if args.tiny:
+            from parity.tiny import save_tiny_checkpoint
+
+            if args.keep_tiny:
+                out = args.keep_tiny
+            else:
+                tmp = tempfile.TemporaryDirectory(prefix="zoo-parity-tiny-")
+                out = tmp.name
+            say(f"building a tiny random-weight checkpoint from {args.tiny} in {out}")
+            try:
+                model = str(save_tiny_checkpoint(args.tiny, out, seed=args.seed))
+            except (OSError, ValueError, TypeError) as e:
+                raise ParityUsageError(f"--tiny {args.tiny}: {type(e).__name__}: {e}") from e
+        result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
+                            tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                            block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
+                            replay=not args.no_replay, progress=say)
+    except ParityUsageError as e:
+        print(f"zoo parity: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    print(format_summary(result))
+    if args.json:
+        write_json(result, args.json)
+        say(f"wrote {args.json}")
+    if args.html:
+        write_html(result, args.html)
+        say(f"wrote {args.html}")
+    return 0 if result.passed else 1

@@ -1,0 +1,326 @@
+"""run_parity: both sides from one checkpoint, every scenario compared, failures localised.
+
+    result = run_parity("path/to/checkpoint")            # or a .gguf file, or a hub id in the local cache
+    result.passed, result.scenarios["prefill"].first_divergence, result.scenarios["prefill"].localization
+
+Scenarios (each reported on its own; all run the zoo through its LLMEngine):
+    prefill   all prompts (ragged lengths) packed into one flattened step; every position compared
+    decode    greedy decode steps through the paged KV cache; the reference runs once on the very tokens
+              the zoo produced (teacher forcing): by causality its row p is its full forward over tokens
+              0..p, i.e. what a full forward at that decode step gives; the decoded positions compared
+    chunked   prefill split into chunks by a small per-step token budget; every position compared
+    prefix    a prompt, then the same prompt extended, with prefix caching on: the second request
+              starts from cached blocks; the positions it computes are compared
+    packing   each prompt alone vs all packed together: zoo vs zoo (packing invariance)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from parity import SCENARIOS
+from parity.compare import Comparison, compare, first_divergence, verdict
+from parity.localize import Localization, localize
+from parity.reference import load_reference, run_reference
+from parity.taps import LOGITS, reference_taps
+from parity.tolerances import tolerances
+from parity.zoo_side import ZooSide
+
+DEFAULT_TEXT_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea, the wind and the long grey light of a winter morning on the coast.",
+    "Hi",
+    "List three prime numbers and explain, in one sentence each, why they are prime.",
+)
+DEFAULT_LENGTHS = (13, 29, 6, 21)  # token prompts when the checkpoint has no tokenizer
+
+SCENARIO_HINTS = {
+    "decode": "decode through the paged cache: slot_mapping / block_tables, K/V written and read back, positions "
+              "of decode tokens",
+    "chunked": "chunked prefill: attention to the context of earlier chunks (seq_lens vs new tokens, position offsets)",
+    "prefix": "prefix-cache hit: the cached blocks a request starts from, positions after the hit",
+    "packing": "batch packing: requests see each other in the flattened batch (query_start_loc, seq_lens, "
+               "block tables per request)",
+}
+
+
+class ParityUsageError(Exception):
+    """Bad input from the user or an unloadable model (exit status 2)."""
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    description: str
+    passed: bool
+    failures: list[str]
+    comparison: Comparison | None
+    first_divergence: dict | None = None
+    localization: Localization | None = None
+    info: dict = field(default_factory=dict)
+    tol: dict = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)
+    skipped: str | None = None
+
+
+@dataclass
+class ParityResult:
+    model: str
+    architecture: str
+    family: str
+    tol: dict
+    prompts: list[list[int]]
+    prompt_texts: list[str] | None
+    scenarios: dict[str, ScenarioResult]
+    meta: dict
+    hints: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(s.passed for s in self.scenarios.values())
+
+
+# -- inputs ------------------------------------------------------------------------------------------------
+def default_prompts(tokenizer, vocab_size: int, seed: int) -> tuple[list[list[int]], list[str] | None]:
+    if tokenizer is not None:
+        return [tokenizer.encode(t) for t in DEFAULT_TEXT_PROMPTS], list(DEFAULT_TEXT_PROMPTS)
+    g = torch.Generator().manual_seed(seed)
+    low = min(3, vocab_size - 1)  # past the usual pad/bos/eos ids
+    return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in DEFAULT_LENGTHS], None
+
+
+def read_prompts(path, tokenizer) -> tuple[list[list[int]], list[str] | None]:
+    """A .json file holding a list of strings or of token-id lists, or a text file with one prompt a line."""
+    import json
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ParityUsageError(f"--prompts {path}: {e.strerror}") from None
+    if p.suffix == ".json":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ParityUsageError(f"--prompts {path}: not valid JSON ({e})") from None
+        if not isinstance(items, list) or not items:
+            raise ParityUsageError(f"--prompts {path}: expected a non-empty JSON list of strings or token-id lists")
+    else:
+        items = [line for line in text.splitlines() if line.strip()]
+    tokens, texts = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, list) and item and all(isinstance(t, int) for t in item):
+            tokens.append(item)
+            texts.append(None)
+        elif isinstance(item, str) and item:
+            if tokenizer is None:
+                raise ParityUsageError(f"--prompts {path}: prompt {i} is text but the checkpoint has no tokenizer; "
+                                       f"give token-id lists in a .json file")
+            tokens.append(tokenizer.encode(item))
+            texts.append(item)
+        else:
+            raise ParityUsageError(f"--prompts {path}: prompt {i} is neither text nor a list of token ids: {item!r:.60}")
+    if not tokens or any(not t for t in tokens):
+        raise ParityUsageError(f"--prompts {path}: every prompt needs at least one token")
+    return tokens, (texts if any(t is not None for t in texts) else None)
+
+
+def checkpoint_hash(files) -> str:
+    """sha256 over config.json and every weight file (name and content), in name order."""
+    h = hashlib.sha256()
+    if files.is_gguf:
+        paths = [files.path]
+    else:
+        paths = sorted(p for p in files.directory.iterdir()
+                       if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf"))
+    for p in paths:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, prompt_texts: list[str] | None = None,
+               prompts_file=None, scenarios=SCENARIOS, tol_overrides: dict[str, float] | None = None,
+               seed: int = 0, max_new_tokens: int = 4, block_size: int = 4, chunk_tokens: int = 7,
+               device: str = "cpu", replay: bool = True,
+               progress: Callable[[str], None] | None = None) -> ParityResult:
+    from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
+
+    say = progress or (lambda msg: None)
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        raise ParityUsageError(f"--scenario {', '.join(unknown)}: unknown; known: {', '.join(SCENARIOS)}")
+    try:
+        tolerances("dense", tol_overrides)  # unknown keys fail here, before anything loads
+    except ValueError as e:
+        raise ParityUsageError(str(e)) from None
+    torch.manual_seed(seed)
+    try:
+        files = resolve_model(model)
+        config = load_config(files)
+        tokenizer = load_tokenizer(files)
+    except (ModelNotFound, OSError, ValueError) as e:
+        raise ParityUsageError(f"{model}: {type(e).__name__}: {e}") from None
+    if prompts is None and prompts_file is not None:
+        prompts, prompt_texts = read_prompts(prompts_file, tokenizer)
+    elif prompts is None:
+        prompts, prompt_texts = default_prompts(tokenizer, config.vocab_size, seed)
+    if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
+        raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
+
+    t0 = time.perf_counter()
+    try:  # any failure to load either side is an environment / usage error, named
+        say(f"loading the reference (transformers, float32, eager) from {files.path}")
+        kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
+        ref_model = load_reference(files.directory if files.is_gguf else files.path, device=device, **kw)
+        say("building the zoo model (build_model, float32)")
+        zoo = ZooSide(files.path, device=device, config=config)
+    except Exception as e:
+        side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
+        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
+    family = zoo.spec.family
+    tol = tolerances(family, tol_overrides)
+    arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
+
+    ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
+               block_size=block_size, chunk_tokens=chunk_tokens))
+    results: dict[str, ScenarioResult] = {}
+    for name in scenarios:
+        t = time.perf_counter()
+        say(f"scenario {name}")
+        try:
+            res = getattr(ctx, name)()
+        except Exception as e:  # a crash of either side in a scenario is a finding of that scenario
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            res = ScenarioResult(name, "crashed", False, [f"{type(e).__name__}: {e} (at {where.filename}:"
+                                                          f"{where.lineno} in {where.name})"], None)
+        res.info["seconds"] = round(time.perf_counter() - t, 3)
+        results[name] = res
+        say(f"  {name}: {'pass' if res.passed else 'DIVERGES'}")
+
+    hints = [f"{n} diverges while prefill passes: {SCENARIO_HINTS[n]}" for n, r in results.items()
+             if not r.passed and n in SCENARIO_HINTS and results.get("prefill") is not None
+             and results["prefill"].passed]
+    meta = {
+        "versions": {"transformers": _version("transformers"), "torch": torch.__version__, "zoo": _version("zoo")},
+        "checkpoint": str(files.path),
+        "checkpoint_sha256": checkpoint_hash(files),
+        "dtype": "float32",
+        "metrics_dtype": "float64",
+        "device": device,
+        "seed": seed,
+        "block_size": block_size,
+        "chunk_tokens": chunk_tokens,
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "load_report": str(zoo.load_report),
+    }
+    return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints)
+
+
+
+class _Run:
+    """One method per scenario; the reference run on the prompts and the packed zoo run are shared."""
+
+    def __init__(self, ref_model, zoo: ZooSide, config, prompts, tol, replay, say, knobs):
+        self.ref_model, self.zoo, self.config, self.prompts, self.tol = ref_model, zoo, config, prompts, tol
+        self.replay, self.say, self.k = replay, say, knobs
+        self.wanted = set(reference_taps(ref_model)) | {LOGITS}
+        self._ref, self._packed = None, None
+
+    def ref_for(self, tokens):
+        return run_reference(self.ref_model, tokens, keep_layer_calls=self.replay)
+
+    def base_ref(self):
+        self._ref = self._ref or self.ref_for(self.prompts)
+        return self._ref
+
+    def zoo_run(self, prompts=None, **kw):
+        return self.zoo.run(self.prompts if prompts is None else prompts, self.wanted,
+                            block_size=self.k["block_size"], **kw)
+
+    def packed(self):
+        self._packed = self._packed or self.zoo_run()
+        return self._packed
+
+    def judge(self, name, description, ref_run, zoo_run, *, only=None, info=None) -> ScenarioResult:
+        cmp = compare(ref_run.trace, zoo_run.trace, only=only)
+        fails = verdict(cmp, self.tol)
+        res = ScenarioResult(name, description, not fails, fails, cmp, info={"steps": zoo_run.num_steps, **(info or {})},
+                             tol=self.tol, lengths=list(ref_run.trace.lengths))
+        if cmp.missing:
+            res.info["missing_taps"] = cmp.missing
+        if fails:
+            res.first_divergence = first_divergence(cmp, self.tol)
+            self.say(f"  {name}: localising")
+            res.localization = localize(self.ref_model, ref_run, ref_run.trace, zoo_run.trace, cmp.compared,
+                                        self.tol, self.config, replay=self.replay)
+        return res
+
+    @staticmethod
+    def require(res: ScenarioResult, ok: bool, failure: str) -> ScenarioResult:
+        if not ok:
+            res.failures.append(failure)
+            res.passed = False
+        return res
+
+    # -- the scenarios -----------------------------------------------------------------------------------
+    def prefill(self) -> ScenarioResult:
+        run = self.packed()
+        res = self.judge("prefill", f"{len(self.prompts)} prompts of {', '.join(str(len(p)) for p in self.prompts)} "
+                                    f"tokens in one flattened step", self.base_ref(), run)
+        return self.require(res, run.num_steps == 1, f"expected one step for the ragged batch, the scheduler ran "
+                                                     f"{run.num_steps}")
+
+    def decode(self) -> ScenarioResult:
+        n = self.k["max_new_tokens"]
+        run = self.zoo_run(max_tokens=n)
+        decoded = [torch.arange(length) >= len(p) for length, p in zip(run.trace.lengths, self.prompts)]
+        return self.judge("decode", f"{n - 1} greedy decode steps after prefill through the paged cache (block size "
+                                    f"{self.k['block_size']}), reference run on the same tokens",
+                          self.ref_for(run.trace.tokens), run, only=decoded, info={"generated": run.outputs})
+
+    def chunked(self) -> ScenarioResult:
+        budget = self.k["chunk_tokens"]
+        run = self.zoo_run(max_num_batched_tokens=budget)
+        res = self.judge("chunked", f"prefill in chunks of at most {budget} tokens per step", self.base_ref(), run)
+        return self.require(res, run.num_steps > 1, f"a budget of {budget} tokens did not split the prefill")
+
+    def prefix(self) -> ScenarioResult:
+        first = max(self.prompts, key=len)
+        other = next(p for p in self.prompts if p is not first) if len(self.prompts) > 1 else first
+        extended = [first, first + other]
+        run = self.zoo_run(extended, enable_prefix_caching=True, waves=[[0], [1]])
+        second_only = [torch.zeros(len(first), dtype=torch.bool), torch.ones(len(extended[1]), dtype=torch.bool)]
+        hit = run.cached_tokens.get(1, 0)
+        res = self.judge("prefix", f"a {len(first)}-token prompt, then the same extended to {len(extended[1])} tokens "
+                                   f"with prefix caching (block size {self.k['block_size']})",
+                         self.ref_for(extended), run, only=second_only, info={"cached_tokens": hit})
+        return self.require(res, hit > 0, f"no prefix-cache hit: the second request computed all {len(extended[1])} "
+                                          f"tokens")
+
+    def packing(self) -> ScenarioResult:
+        alone = self.zoo_run(waves=[[r] for r in range(len(self.prompts))])
+        cmp = compare(alone.trace, self.packed().trace)
+        tol = {**self.tol, "rel_l2": self.tol["packing"]}
+        fails = verdict(cmp, tol)
+        return ScenarioResult("packing", "each prompt alone vs all packed together (zoo vs zoo)", not fails, fails, cmp,
+                              first_divergence(cmp, tol) if fails else None, info={"steps": alone.num_steps},
+                              tol=tol, lengths=list(alone.trace.lengths))

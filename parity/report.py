@@ -1,0 +1,133 @@
+"""Reports of a ParityResult: the terminal summary and the machine-readable JSON document.
+
+JSON layout (every number float64 rounded to 6 significant digits; null = position not compared):
+    {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
+     dtype, seed, ...}, "prompts": [[ids]], "prompt_texts", "hints",
+     "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",
+        "taps": [{"name", "role", "layer", "worst": {...}, "rel_l2": [[per position] per request],
+                  "cosine": [...], "max_abs": [...], "experts"?: [...]}],        (execution order)
+        "logits": {"logits"|"sampled_logits": {"summary": {...}, "kl": [[...]], "top1": [[...]],
+                   "top5": [[...]], "p_diff": [[...]]}},
+        "localization": {"culprit", "hints", "blocks": [{"name", "layer", "inherited", "total",
+                          "local", "sub": {tap: local}}]}}}}
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from parity.harness import ParityResult, ScenarioResult
+from parity.taps import short
+from zoo.table import format_table
+
+
+def _num(x) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) else float(f"{x:.6g}")
+
+
+def _rows(xs: list[torch.Tensor]) -> list[list[float | None]]:
+    return [[_num(v) for v in x.tolist()] for x in xs]
+
+
+def scenario_dict(s: ScenarioResult) -> dict:
+    out = {"passed": s.passed, "description": s.description, "failures": s.failures, "info": s.info,
+           "lengths": s.lengths, "first_divergence": s.first_divergence, "tolerances": s.tol}
+    cmp = s.comparison
+    if cmp is not None:
+        out["taps"] = []
+        for t in cmp.taps:
+            d = {"name": t.name, "role": t.role, "layer": t.layer,
+                 "worst": {k: _num(v) for k, v in t.worst().items()},
+                 "rel_l2": _rows(t.rel_l2), "cosine": _rows(t.cosine), "max_abs": _rows(t.max_abs)}
+            if t.experts is not None:
+                d["experts"] = _rows(t.experts)
+            out["taps"].append(d)
+        out["missing_taps"] = cmp.missing
+        out["logits"] = {name: {"summary": {k: _num(v) for k, v in lr.summary(s.tol).items()},
+                                "kl": _rows(lr.kl), "top1": _rows(lr.top1), "top5": _rows(lr.top5),
+                                "p_diff": _rows(lr.p_diff)}
+                         for name, lr in cmp.logit_taps.items()}
+    loc = s.localization
+    if loc is not None:
+        out["localization"] = {
+            "culprit": loc.culprit, "hints": loc.hints,
+            "blocks": [{"name": b.name, "layer": b.layer, "inherited": _num(b.inherited), "total": _num(b.total),
+                        "local": _num(b.local), "sub": {k: _num(v) for k, v in b.sub.items()}} for b in loc.blocks]}
+    return out
+
+
+def to_json(result: ParityResult) -> dict:
+    return {
+        "model": result.model, "architecture": result.architecture, "family": result.family,
+        "passed": result.passed, "tolerances": result.tol, "meta": result.meta,
+        "prompts": result.prompts, "prompt_texts": result.prompt_texts, "hints": result.hints,
+        "scenarios": {name: scenario_dict(s) for name, s in result.scenarios.items()},
+    }
+
+
+def write_json(result: ParityResult, path) -> None:
+    with open(path, "w") as f:
+        json.dump(to_json(result), f, indent=1)
+
+
+def _e(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1e}"
+
+
+def format_summary(result: ParityResult) -> str:
+    lines = [f"zoo parity: {result.architecture} ({result.family}) from {result.model}",
+             f"tolerances: " + ", ".join(f"{k}={v:g}" for k, v in result.tol.items()), ""]
+    missing = sorted({t for s in result.scenarios.values() if s.comparison for t in s.comparison.missing})
+    if missing:
+        lines.insert(2, f"not compared (no zoo module joins these reference taps; see parity_taps in parity/taps.py): "
+                        f"{', '.join(missing)}")
+    rows = []
+    for name, s in result.scenarios.items():
+        cmp = s.comparison
+        worst = max(cmp.taps, key=lambda t: _nan0(t.worst()["rel_l2"]), default=None) if cmp else None
+        lg = cmp.logits.summary(s.tol) if cmp and cmp.logits else {}
+        rows.append([name, "pass" if s.passed else "DIVERGES", s.info.get("steps", "-"),
+                     f"{_e(worst.worst()['rel_l2'])} {short(worst.name)}" if worst else "-",
+                     f"{min((t.worst()['cosine'] for t in cmp.taps), default=float('nan')):.9f}" if cmp else "-",
+                     _e(lg.get("kl_mean")), _e(lg.get("kl_p99")), _e(lg.get("kl_max")),
+                     f"{lg['top1']:.1%}" if lg else "-", f"{lg['top5']:.1%}" if lg else "-"])
+    lines.append(format_table(["scenario", "result", "steps", "worst rel_l2 (tap)", "min cosine", "KL mean",
+                               "KL p99", "KL max", "top-1", "top-5"], rows))
+    for name, s in result.scenarios.items():
+        if s.passed:
+            continue
+        lines += ["", f"[{name}] {s.description}"]
+        lines += [f"  fails: {f}" for f in s.failures[:8]]
+        if len(s.failures) > 8:
+            lines.append(f"  ... and {len(s.failures) - 8} more")
+        fd = s.first_divergence
+        if fd:
+            what = (f"rel_l2 {fd['rel_l2']:.2e}, cosine {fd['cosine']:.6f}" if "rel_l2" in fd
+                    else f"KL {fd['kl']:.2e}, top-1 {'agrees' if fd['top1'] else 'differs'}")
+            if "experts" in fd:
+                what += f", {fd['experts']:.0%} of the reference's experts chosen"
+            lines.append(f"  first divergence: {fd['tap']} (request {fd['request']}, position {fd['position']}): {what}")
+        loc = s.localization
+        if loc is not None:
+            c = loc.culprit
+            if c:
+                experts = f", {c['experts']:.0%} of its experts" if "experts" in c else ""
+                lines.append(f"  culprit: {c['block']} -> {c['tap']} at position {c['position']} (request "
+                             f"{c['request']}), local rel_l2 {c['local']:.2e}{experts} on the zoo's own input")
+            rows = [[short(b.name), _e(b.inherited), _e(b.total), _e(b.local),
+                     (lambda k: f"{short(k)} {_e(b.sub[k])}")(max(b.sub, key=lambda k: _nan0(b.sub[k]))) if b.sub else "-"]
+                    for b in loc.blocks]
+            table = format_table(["block", "inherited", "total", "local (added)", "worst sub-block (local)"], rows)
+            lines += ["  " + line for line in table.splitlines()]
+            lines += [f"  hint: {h}" for h in loc.hints]
+    lines += [f"hint: {h}" for h in result.hints]
+    lines += ["", "PASS" if result.passed else "DIVERGES: " + ", ".join(n for n, s in result.scenarios.items()
+                                                                        if not s.passed)]
+    return "\n".join(lines)
+
+
+def _nan0(x: float) -> float:
+    return -1.0 if x is None or math.isnan(x) else x

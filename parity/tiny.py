@@ -1,0 +1,179 @@
+"""`zoo parity --tiny CONFIG`: a shrunken random-weight checkpoint with a new model's structure.
+
+From a config.json (or a directory holding one) we keep everything that makes the architecture what
+it is and shrink only sizes, so parity can run in seconds before any weights are downloaded:
+
+  kept        architecture, rope type/theta/scaling, partial rotary, norms and eps, activations, biases,
+              tied embeddings, softcapping, q/k norms, the GQA ratio (up to 4), head_dim / hidden ratio,
+              top-k and routing style, shared experts, MLA structure (q LoRA or not)
+  layers      the first layer plus the first layer of every other kind (each layer_types entry, dense vs
+              MoE): at least 2; layer_types and the dense/MoE placement fields are rewritten to match
+  shrunk      hidden size (4 x head_dim 16 per group), intermediate sizes (same ratio to hidden),
+              experts (at most 8; DeepSeek groups kept), vocabulary (at most 256), sliding window (<= 8,
+              so the default prompts cross it), MLA ranks
+Weights are random (transformers' own init, seeded) and saved with save_pretrained (safetensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+HEAD_DIM = 16
+MAX_EXPERTS = 8
+MAX_VOCAB = 256
+MAX_WINDOW = 8
+
+
+def load_config(source) -> transformers.PretrainedConfig:
+    """A transformers config from a directory with config.json or from a .json file."""
+    p = Path(source)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"--tiny {source}: no config.json there")
+    with open(p) as f:
+        d = json.load(f)
+    model_type = d.get("model_type")
+    if not model_type:
+        raise ValueError(f"--tiny {source}: config has no model_type")
+    try:
+        cls = transformers.AutoConfig.for_model(model_type).__class__
+    except ValueError as e:
+        raise ValueError(f"--tiny {source}: transformers {transformers.__version__} does not know model_type "
+                         f"{model_type!r} ({e})") from None
+    return cls.from_dict(d)
+
+
+def _round8(x: float) -> int:
+    return max(16, int(round(x / 8)) * 8)
+
+
+def _kept_layers(d: dict) -> list[int]:
+    n = d["num_hidden_layers"]
+    kept = {0}
+    types = d.get("layer_types") or []
+    for t in dict.fromkeys(types):
+        kept.add(types.index(t))
+    # MoE placement: the first dense layer and the first MoE layer
+    moe = _moe_layers(d, n)
+    if moe is not None:
+        for flag in (True, False):
+            if flag in moe:
+                kept.add(moe.index(flag))
+    kept = sorted(kept)
+    while len(kept) < 2 and len(kept) < n:
+        kept.append(next(i for i in range(n) if i not in kept))
+    return sorted(kept)
+
+
+def _moe_layers(d: dict, n: int) -> list[bool] | None:
+    """Which layers are MoE, by the config's own rules, or None for a model without experts."""
+    if d.get("n_routed_experts"):  # DeepSeek
+        k, freq = d.get("first_k_dense_replace", 0), d.get("moe_layer_freq", 1)
+        return [i >= k and i % freq == 0 for i in range(n)]
+    if d.get("num_experts") and "decoder_sparse_step" in d:  # Qwen2-MoE, Qwen3-MoE
+        step, dense = d.get("decoder_sparse_step", 1) or 1, set(d.get("mlp_only_layers") or [])
+        return [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    if d.get("num_local_experts") or d.get("num_experts"):  # Mixtral, OLMoE: every layer
+        return [True] * n
+    return None
+
+
+def shrink_dict(d: dict) -> dict:
+    """The shrunken copy of a config dict (the text part of a multimodal config is shrunk in place)."""
+    d = dict(d)
+    if isinstance(d.get("text_config"), dict):
+        d["text_config"] = shrink_dict(d["text_config"])
+        return d
+    if "num_hidden_layers" not in d or "hidden_size" not in d:
+        return d
+    n = d["num_hidden_layers"]
+    kept = _kept_layers(d)
+    moe = _moe_layers(d, n)
+    d["num_hidden_layers"] = len(kept)
+    if d.get("layer_types"):
+        d["layer_types"] = [d["layer_types"][i] for i in kept]
+    if moe is not None:
+        new_moe = [moe[i] for i in kept]
+        if d.get("n_routed_experts"):
+            d["first_k_dense_replace"] = new_moe.index(True) if True in new_moe else len(kept)
+            d["moe_layer_freq"] = 1
+        elif "decoder_sparse_step" in d:
+            d["decoder_sparse_step"] = 1
+            d["mlp_only_layers"] = [i for i, m in enumerate(new_moe) if not m]
+
+    heads, hidden = d["num_attention_heads"], d["hidden_size"]
+    kv = d.get("num_key_value_heads") or heads
+    head_dim = d.get("head_dim") or hidden // heads
+    ratio = head_dim * heads / hidden  # kept: some models have head_dim * heads != hidden
+    kv_new = 4 if kv == heads else 1 if kv == 1 else 2  # MHA stays MHA, MQA stays MQA
+    heads_new = kv_new * min(heads // kv, 4)
+    hidden_new = _round8(heads_new * HEAD_DIM / ratio)
+    if d.get("kv_lora_rank"):  # MLA: heads are not tied to the hidden size, and there is no GQA
+        heads_new = kv_new = 4
+        hidden_new = 64
+    d.update(num_attention_heads=heads_new, num_key_value_heads=kv_new, hidden_size=hidden_new)
+    if "head_dim" in d and d["head_dim"] is not None or ratio != 1:
+        d["head_dim"] = HEAD_DIM
+    if d.get("query_pre_attn_scalar"):
+        d["query_pre_attn_scalar"] = max(1, round(d["query_pre_attn_scalar"] * HEAD_DIM / head_dim))
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if d.get(key):
+            d[key] = _round8(d[key] * hidden_new / hidden)
+
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if d.get(key):
+            d[key] = min(d[key], MAX_EXPERTS)
+    experts = d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts")
+    if experts:
+        if d.get("n_group"):
+            groups = min(d["n_group"], 2)
+            topk_group = d.get("topk_group") or groups
+            d["n_group"], d["topk_group"] = groups, 1 if topk_group < d["n_group"] else groups
+        if d.get("num_experts_per_tok"):
+            d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2, experts - 1)
+        if d.get("n_shared_experts"):
+            d["n_shared_experts"] = min(d["n_shared_experts"], 2)
+    if d.get("kv_lora_rank"):  # MLA
+        d["kv_lora_rank"] = 32
+        d["q_lora_rank"] = 32 if d.get("q_lora_rank") else None
+        d["qk_rope_head_dim"], d["qk_nope_head_dim"], d["v_head_dim"] = 8, 16, 16
+        d["head_dim"] = 8  # DeepSeek's head_dim is the rotary part
+    if d.get("sliding_window"):
+        d["sliding_window"] = min(d["sliding_window"], MAX_WINDOW)
+
+    vocab = min(d.get("vocab_size") or MAX_VOCAB, MAX_VOCAB)
+    d["vocab_size"] = vocab
+    for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        value = d.get(key)
+        if isinstance(value, list):
+            d[key] = [v for v in value if v < vocab] or [vocab - 1]
+        elif isinstance(value, int) and value >= vocab:
+            d[key] = None if key == "pad_token_id" else vocab - 1 - ("bos" in key)
+    d["dtype"] = "float32"
+    d.pop("torch_dtype", None)
+    d.pop("quantization_config", None)
+    return d
+
+
+def shrink_config(config) -> transformers.PretrainedConfig:
+    return type(config).from_dict(shrink_dict(config.to_dict()))
+
+
+def save_tiny_checkpoint(source, out_dir, *, seed: int = 0) -> Path:
+    """Shrink the config at `source`, build its architecture with random weights, save_pretrained to out_dir."""
+    config = shrink_config(load_config(source))
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"--tiny {source}: the config names no architectures")
+    model_cls = getattr(transformers, archs[0], None)
+    if model_cls is None:
+        raise ValueError(f"--tiny {source}: transformers {transformers.__version__} has no class {archs[0]}")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,287 @@
+"""Planted-bug plugins for the parity harness's mutation tests (test-only).
+
+Each mutant subclasses the real plugin classes (Llama, Mistral, Mixtral) and breaks exactly one thing in
+decoder layer BUG_LAYER
+(layer 0 stays right, so the report must name layer 1, not merely "something"). It registers with
+override=True for the architecture it breaks:
+
+    with planted("rotary_wrong_half"):          # the global registry serves the mutant inside the block
+        run_parity(path)
+
+VARIANTS are not bugs: correct models with another structure (a fused residual, a renamed MLP) that
+pass parity once they follow the protocol of parity/taps.py.
+
+Shape legend: T tokens, Hq query heads, KV key/value heads, D head dim, F = D / 2, H hidden.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from loader.rules import Rename, Rules
+from plugins.llama import RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from plugins.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
+from plugins.mixtral import MIXTRAL_RULES, MixtralDecoderLayer, MixtralForCausalLM, MixtralModel
+from registry import ArchSpec, get_registry, hookimpl
+from zoo.layers.mlp import GatedMLP
+from zoo.layers.moe import TopKRouter
+from zoo.runtime.batch import ForwardBatch
+
+BUG_LAYER = 1
+
+
+# -- rotary applied to the wrong half of the head dim (= rotation by -theta; position 0 unaffected) ------
+class WrongHalfRope:
+    def __init__(self, rope):
+        self.rope = rope
+
+    def __call__(self, positions, q, k, batch=None):
+        f = self.rope.rotary_dim // 2
+        swap = lambda x: torch.cat((x[..., f:2 * f], x[..., :f], x[..., 2 * f:]), dim=-1)  # [T, n, D]
+        q, k = self.rope(positions, swap(q), swap(k), batch)
+        return swap(q), swap(k)
+
+
+class RotaryWrongHalfLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.self_attn.rotary_emb = WrongHalfRope(self.self_attn.rotary_emb)
+
+
+# -- RMSNorm eps off (post-attention norm: 0.1, e.g. read from the wrong config field, instead of 1e-6) ----
+class NormEpsLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.post_attention_layernorm.eps = 0.1
+
+
+# -- gate and up swapped in the fused gate_up_proj ---------------------------------------------------------
+class SwappedGatedMLP(GatedMLP):
+    def forward(self, x):
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, I], [T, I]
+        return self.down_proj(self.act(up) * gate)  # the bug: act on up
+
+
+class GateUpSwappedLayer(LlamaDecoderLayer):
+    def make_mlp(self, config, layer_idx, prefix):
+        if layer_idx != BUG_LAYER:
+            return super().make_mlp(config, layer_idx, prefix)
+        return SwappedGatedMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                               hidden_act=config.hidden_act, prefix=prefix)
+
+
+# -- KV heads mapped to query heads by h % KV instead of h // G (repeat vs repeat_interleave) -----------
+class WrongGroupAttention(LlamaAttention):
+    def forward(self, positions, hidden_states, batch: ForwardBatch):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k, batch)
+        g = self.num_heads // self.num_kv_heads
+        # slot s attends with KV head s // g; put query head h in a slot of KV head h % KV (the bug)
+        order = sorted(range(self.num_heads), key=lambda h: (h % self.num_kv_heads, h))  # slot -> query head
+        o = self.attn(q[:, order], k, v, self.kv_cache(batch), batch)  # [T, Hq*D] in slot order
+        o = o.view(-1, self.num_heads, self.head_dim)[:, torch.tensor(order).argsort()]  # back to head order
+        assert g > 1, "the wrong-group mutant needs GQA (num_heads > num_kv_heads)"
+        return self.o_proj(o.flatten(1))
+
+
+class WrongGroupLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        if layer_idx == BUG_LAYER:
+            self.attention_class = WrongGroupAttention
+        super().__init__(config, layer_idx, prefix=prefix)
+
+
+# -- missing residual adds ---------------------------------------------------------------------------------
+class MissingAttnResidualLayer(LlamaDecoderLayer):
+    def forward(self, positions, hidden_states, batch):
+        if self.layer_idx != BUG_LAYER:
+            return super().forward(positions, hidden_states, batch)
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), batch)
+        hidden_states = h  # the bug: + hidden_states dropped
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MissingMlpResidualLayer(LlamaDecoderLayer):
+    def forward(self, positions, hidden_states, batch):
+        if self.layer_idx != BUG_LAYER:
+            return super().forward(positions, hidden_states, batch)
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), batch)
+        hidden_states = hidden_states + h
+        return self.mlp(self.post_attention_layernorm(hidden_states))  # the bug: + hidden_states dropped
+
+
+# -- sliding window one token too wide (Mistral) ------------------------------------------------------------
+class WindowOffByOneLayer(MistralDecoderLayer):
+    def attention_kwargs(self, config, layer_idx):
+        kw = super().attention_kwargs(config, layer_idx)
+        if layer_idx == BUG_LAYER:
+            kw["sliding_window"] = kw["sliding_window"] + 1  # the bug: W + 1 keys
+        return kw
+
+
+# -- MoE (Mixtral): the kept top-k weights not renormalised; experts indexed off by one ---------------
+class NoRenormRouter(TopKRouter):
+    def forward(self, x):
+        logits, _, ids = super().forward(x)
+        weights = logits.float().softmax(-1).gather(-1, ids)  # [T, K] the bug: not divided by their sum
+        return logits, weights, ids
+
+
+class OffByOneRouter(TopKRouter):
+    def forward(self, x):
+        logits, weights, ids = super().forward(x)
+        return logits, weights, (ids + 1) % self.num_experts  # the bug: the neighbour expert
+
+
+def _router_layer(router_cls):
+    class Layer(MixtralDecoderLayer):
+        def make_mlp(self, config, layer_idx, prefix):
+            block = super().make_mlp(config, layer_idx, prefix)
+            if layer_idx == BUG_LAYER:
+                g = block.gate
+                block.gate = router_cls(config.hidden_size, g.num_experts, g.top_k, renormalize=g.renormalize,
+                                        weights_in_input_dtype=g.weights_in_input_dtype, prefix=g.prefix)
+            return block
+
+    Layer.__name__ = router_cls.__name__ + "Layer"
+    return Layer
+
+
+# -- not bugs: structures the parity protocol must follow (see parity/taps.py) ------------------------------
+class FusedResidualLayer(LlamaDecoderLayer):
+    """vLLM style: returns (mlp_out, residual) and leaves the add to the next layer's norm."""
+
+    parity_output = "sum"  # the true layer output is mlp_out + residual
+
+    def forward(self, positions, hidden_states, batch, residual=None):
+        residual = hidden_states if residual is None else hidden_states + residual  # [T, H]
+        h = self.self_attn(positions, self.input_layernorm(residual), batch)
+        residual = residual + h
+        return self.mlp(self.post_attention_layernorm(residual)), residual  # ([T, H], [T, H])
+
+
+class FusedResidualUndeclaredLayer(FusedResidualLayer):
+    parity_output = None  # forgot to declare it: the layer tap is the MLP output alone
+
+
+class FusedResidualModel(LlamaModel):
+    layer_class = FusedResidualLayer
+
+    def forward(self, input_ids, positions, batch):
+        h, residual = self.embed(input_ids, batch), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, batch, residual)
+        return self.norm(h + residual)
+
+
+class FeedForwardLayer(LlamaDecoderLayer):
+    """The MLP built under another name than the checkpoint's (needs a Rename rule and a tap map)."""
+
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        self.feed_forward = self.mlp
+        del self.mlp
+
+    def forward(self, positions, hidden_states, batch):
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states), batch)
+        return hidden_states + self.feed_forward(self.post_attention_layernorm(hidden_states))
+
+
+# -- a crash: decode through the cache not implemented ------------------------------------------------------
+class DecodeRaisesAttention(LlamaAttention):
+    def forward(self, positions, hidden_states, batch):
+        if any(n > batch.query_start_loc_cpu[i + 1] - batch.query_start_loc_cpu[i]
+               for i, n in enumerate(batch.seq_lens_cpu)):
+            raise NotImplementedError(f"{self.prefix}: attention to cached context")
+        return super().forward(positions, hidden_states, batch)
+
+
+class DecodeRaisesLayer(LlamaDecoderLayer):
+    attention_class = DecodeRaisesAttention
+
+
+def _llama(layer_cls):
+    model_cls = type(f"{layer_cls.__name__}Model", (LlamaModel,), {"layer_class": layer_cls})
+    return type(f"{layer_cls.__name__}ForCausalLM", (LlamaForCausalLM,), {"model_class": model_cls})
+
+
+def _mistral(layer_cls):
+    model_cls = type(f"{layer_cls.__name__}Model", (MistralModel,), {"layer_class": layer_cls})
+    return type(f"{layer_cls.__name__}ForCausalLM", (MistralForCausalLM,), {"model_class": model_cls})
+
+
+FusedResidual = type("FusedResidualForCausalLM", (LlamaForCausalLM,), {"model_class": FusedResidualModel})
+FusedResidualUndeclared = type("FusedResidualUndeclaredForCausalLM", (LlamaForCausalLM,), {
+    "model_class": type("FusedResidualUndeclaredModel", (FusedResidualModel,),
+                        {"layer_class": FusedResidualUndeclaredLayer})})
+
+
+def _mixtral(layer_cls):
+    model_cls = type(f"{layer_cls.__name__}Model", (MixtralModel,), {"layer_class": layer_cls})
+    return type(f"{layer_cls.__name__}ForCausalLM", (MixtralForCausalLM,), {"model_class": model_cls})
+
+
+RotaryWrongHalf = _llama(RotaryWrongHalfLayer)
+NormEps = _llama(NormEpsLayer)
+GateUpSwapped = _llama(GateUpSwappedLayer)
+WrongGroup = _llama(WrongGroupLayer)
+MissingAttnResidual = _llama(MissingAttnResidualLayer)
+MissingMlpResidual = _llama(MissingMlpResidualLayer)
+WindowOffByOne = _mistral(WindowOffByOneLayer)
+DecodeRaises = _llama(DecodeRaisesLayer)
+FeedForward = _llama(FeedForwardLayer)
+FeedForward.parity_taps = {"model.layers.{i}.feed_forward": "model.layers.{i}.mlp"}
+MoeNoRenorm = _mixtral(_router_layer(NoRenormRouter))
+MoeOffByOneExpert = _mixtral(_router_layer(OffByOneRouter))
+
+# name -> (architecture it replaces, model class name in this module)
+MUTANTS = {
+    "rotary_wrong_half": ("LlamaForCausalLM", "RotaryWrongHalf"),
+    "norm_eps": ("LlamaForCausalLM", "NormEps"),
+    "gate_up_swapped": ("LlamaForCausalLM", "GateUpSwapped"),
+    "kv_wrong_group": ("LlamaForCausalLM", "WrongGroup"),
+    "missing_attn_residual": ("LlamaForCausalLM", "MissingAttnResidual"),
+    "missing_mlp_residual": ("LlamaForCausalLM", "MissingMlpResidual"),
+    "window_off_by_one": ("MistralForCausalLM", "WindowOffByOne"),
+    "moe_no_renormalize": ("MixtralForCausalLM", "MoeNoRenorm"),
+    "moe_off_by_one_expert": ("MixtralForCausalLM", "MoeOffByOneExpert"),
+}
+# correct implementations with another structure: parity must pass once they follow the protocol
+VARIANTS = {
+    "fused_residual": ("LlamaForCausalLM", "FusedResidual"),
+    "fused_residual_undeclared": ("LlamaForCausalLM", "FusedResidualUndeclared"),
+    "feed_forward_tap_map": ("LlamaForCausalLM", "FeedForward"),
+    "decode_raises": ("LlamaForCausalLM", "DecodeRaises"),  # not a variant: a model that crashes mid-way
+}
+FAMILY = {"MixtralForCausalLM": "moe"}
+RULES_OF = {"MixtralForCausalLM": MIXTRAL_RULES}
+EXTRA_RULES = {"feed_forward_tap_map": Rules(renames=(Rename(".mlp.", ".feed_forward."),))}
+
+
+class MutantPlugin:
+    def __init__(self, name: str):
+        self.arch, self.cls = {**MUTANTS, **VARIANTS}[name]
+        self.rules = RULES_OF.get(self.arch, RULES) + EXTRA_RULES.get(name, Rules())
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(ArchSpec((self.arch,), f"mutants:{self.cls}", FAMILY.get(self.arch, "dense"), rules=self.rules,
+                          override=True))
+
+
+@contextlib.contextmanager
+def planted(name: str, registry=None):
+    """Serve mutant `name` from `registry` (default: the global one) inside the block; unregister after."""
+    reg = registry or get_registry()
+    plugin_name = f"mutant-{name}"
+    reg.register_plugin(MutantPlugin(name), name=plugin_name)
+    try:
+        yield reg.get({**MUTANTS, **VARIANTS}[name][0])
+    finally:
+        reg.unregister_plugin(plugin_name)

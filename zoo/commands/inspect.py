@@ -1,0 +1,83 @@
+"""Show the loader's plan for a checkpoint, from headers only: what maps where, and every problem.
+
+    zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all]
+
+Exit status: 0 the checkpoint fits the model, 1 problems found, 2 the checkpoint or model cannot be read.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+from loader import LoadError, Rules, open_source, plan
+from zoo.table import print_table
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="a local directory in the Hugging Face layout, a hub id, or a .gguf file")
+    parser.add_argument("--transformers", action="store_true",
+                        help="plan against transformers' own model class with identity rules, not the zoo's")
+    parser.add_argument("--all", action="store_true", help="one row per tensor (default: layers folded)")
+    parser.add_argument("--allow-bin", action="store_true", help="accept PyTorch pickle (.bin) weights")
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+
+
+def run(args) -> int:
+    try:
+        source = open_source(args.model, allow_bin=args.allow_bin, revision=args.revision, strict=False)
+        model, rules, what = _build(source, args.transformers)
+    except (LoadError, OSError, ValueError, LookupError, ImportError) as e:
+        print(f"zoo inspect: {e}")
+        return 2
+    p = plan(model, source, rules)
+    print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) "
+          f"-> {what}")
+    rows = [(e.key, e.file, "x".join(map(str, e.shape)), str(e.dtype).removeprefix("torch."), f"{e.param}{e.region}")
+            for e in sorted(p.entries, key=lambda e: source.order(e.key))]
+    print_table(["checkpoint key", "file", "shape", "dtype", "parameter"], rows if args.all else _fold(rows))
+    for key, file, reason in p.ignored:
+        print(f"ignored: {key} in {file}: {reason}")
+    for t in p.ties:
+        print(f"tie: {t}")
+    if p.problems:
+        print(f"{len(p.problems)} problems:")
+        for problem in p.problems:
+            print(f"  {problem}")
+        return 1
+    print(f"ok: every checkpoint tensor and every element of every parameter is accounted for")
+    return 0
+
+
+def _build(source, use_transformers: bool):
+    import transformers
+
+    gguf = {"gguf_file": source.files[0].name} if source.kind == "gguf" else {}
+    config = transformers.AutoConfig.from_pretrained(source.directory, **gguf)
+    if use_transformers:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return model, Rules(), f"transformers {type(model).__name__} (identity rules)"
+    from registry import get_registry
+
+    spec = get_registry().resolve(config)
+    if spec.validate is not None:
+        spec.validate(config)
+    cls = spec.model_class()
+    with torch.device("meta"):
+        model = cls(config)
+    return model, spec.rules, f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
+
+
+def _fold(rows):
+    """Rows that differ only by layer (or expert) index, or by shard file, become one row with a count."""
+    groups = defaultdict(list)
+    for key, file, shape, dtype, param in rows:
+        fold = lambda name: re.sub(r"\.(\d+)\.", ".{i}.", name)
+        groups[(fold(key), shape, dtype, fold(param))].append(file)
+    out = []
+    for (key, shape, dtype, param), files in groups.items():
+        where = files[0] if len(set(files)) == 1 else f"{len(set(files))} files"
+        out.append((key, where, shape, dtype, param if len(files) == 1 else f"{param}  (x{len(files)})"))
+    return out

@@ -1,0 +1,157 @@
+"""Generate text from a model, streamed to the terminal (no MODEL: the embedded default).
+
+    zoo run                                         interactive chat with SmolLM2-135M-Instruct
+    zoo run --prompt "What is the capital of France?"
+    zoo run org/name --prompt "Once upon a time" --no-chat --temperature 0.8 --seed 1
+    echo "Hello" | zoo run path/to/model.gguf
+
+Instruct models (a tokenizer with a chat template) get their chat template unless --no-chat.
+Generated text goes to stdout; progress and the summary line (tokens, tok/s, time to first token)
+go to stderr. Exit status: 0 success, 1 a loader finding, 2 usage or environment error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="hub id, local Hugging Face directory or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", "-p", help="generate for this prompt and exit (default: interactive, "
+                                               "or the prompt read from stdin when it is not a terminal)")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply the model's chat template (default: when the tokenizer has one)")
+    parser.add_argument("--system", help="system message for chat models")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+class Progress:
+    """An elapsed-time line on stderr while something slow runs (redrawn on a terminal, once otherwise)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.msg, self.t0, self._stop = "", time.perf_counter(), threading.Event()
+        self._thread = None
+
+    def __call__(self, msg: str) -> None:
+        self.msg = msg
+        if not self.tty:
+            print(f"zoo: {msg} ...", file=self.stream, flush=True)
+        elif self._thread is None:
+            self._thread = threading.Thread(target=self._spin, daemon=True)
+            self._thread.start()
+
+    def _spin(self) -> None:
+        frames = "|/-\\"
+        i = 0
+        while not self._stop.wait(0.1):
+            elapsed = time.perf_counter() - self.t0
+            self.stream.write(f"\r\033[K{frames[i % 4]} {self.msg} ({elapsed:.1f}s)")
+            self.stream.flush()
+            i += 1
+
+    def done(self, msg: str) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self.stream.write("\r\033[K")
+        print(f"zoo: {msg}", file=self.stream, flush=True)
+
+
+def run(args) -> int:
+    from zoo.runtime.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        return _fail(f"bad option: {e}", 2)
+    llm = _load(args)
+    if isinstance(llm, int):
+        return llm
+    tok = llm.tokenizer
+    if tok is None:
+        return _fail(f"{llm.files.name} has no tokenizer files; zoo run needs one", 2)
+    has_template = bool(getattr(tok, "chat_template", None))
+    if args.chat and not has_template:
+        return _fail(f"--chat: the tokenizer of {llm.files.name} has no chat template", 2)
+    chat = has_template if args.chat is None else args.chat
+    history = [{"role": "system", "content": args.system}] if (chat and args.system) else []
+
+    if args.prompt is not None or not sys.stdin.isatty():
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        _generate(llm, prompt, params, chat, history)
+        return 0
+    print(f"zoo: chatting with {llm.files.name} ({'chat' if chat else 'completion'} mode); "
+          f"empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            prompt = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not prompt.strip():
+            return 0
+        reply = _generate(llm, prompt, params, chat, history)
+        if chat:
+            history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+
+
+def _load(args):
+    from loader import LoadError, SourceError
+    from registry import UnsupportedArchitecture
+    from zoo.default_model import DefaultModelMissing
+    from zoo.runtime.llm import LLM
+    from zoo.runtime.model_files import ModelNotFound
+
+    progress = Progress()
+    try:
+        progress("starting")
+        llm = LLM(args.model, dtype=args.dtype, progress=progress)
+    except (DefaultModelMissing, ModelNotFound, SourceError, UnsupportedArchitecture, OSError) as e:
+        progress.done("failed")
+        return _fail(str(e).splitlines()[0] if isinstance(e, UnsupportedArchitecture) else str(e), 2)
+    except LoadError as e:
+        progress.done("failed")
+        return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
+    progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s")
+    return llm
+
+
+def _generate(llm, prompt: str, params, chat: bool, history: list[dict]) -> str:
+    if chat:
+        ids = llm.apply_chat_template(history + [{"role": "user", "content": prompt}])
+    else:
+        ids = llm.tokenizer.encode(prompt)
+    t0 = time.perf_counter()
+    first = None
+    text, n = "", 0
+    for out in llm.stream([ids], params):
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        text, n = out.text, len(out.token_ids)
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    ttft = (first or end) - t0
+    rate = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    print(f"zoo: {n} tokens, {rate:.1f} tok/s, time to first token {ttft * 1000:.0f} ms, prompt {len(ids)} tokens",
+          file=sys.stderr, flush=True)
+    return text
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"zoo run: error: {msg}", file=sys.stderr)
+    return code

@@ -1,0 +1,112 @@
+"""The KV block pool: reference counts, a free list in LRU order, and the prefix-cache hash map.
+
+A block is free when no request references it. A free block may still hold a cached prefix (its
+hash is in `cached`): a later request with the same prefix takes it back from the free list
+(`touch`). Allocation takes the least recently freed block first and drops its hash, which is the
+LRU eviction of cached blocks.
+
+Block hashes are chained: hash(parent hash, the block's token ids, namespace, extra keys), so equal
+hashes mean equal whole prefixes. The namespace holds the model identity and a request's cache salt;
+`extra` is the door for multimodal inputs (the hash of an image whose placeholders fall in the block).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def hash_block(parent: bytes | None, token_ids, namespace: str, extra: tuple = ()) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    h.update(namespace.encode())
+    for e in extra:
+        h.update(repr(e).encode())
+    return h.digest()
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"BlockPool: num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)  # LRU first
+        self.cached: dict[bytes, KVBlock] = {}  # block hash -> the block holding that prefix
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """n blocks off the free list (the least recently freed first), each with ref_cnt 1."""
+        if n > len(self.free):
+            raise RuntimeError(f"BlockPool: asked for {n} blocks, {len(self.free)} free of {self.num_blocks}")
+        out = []
+        for _ in range(n):
+            _, block = self.free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cached blocks found by a prefix lookup (out of the free list if unused)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference on each block; unreferenced ones go to the end of the free list.
+
+        Pass a request's blocks in reverse order so that its tail (the least shared part of a prefix)
+        is evicted before its head.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"BlockPool: releasing {block!r}, which nobody references")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block.block_id] = block
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Publish a complete, computed block under its hash (a duplicate of a cached one stays private)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            block.block_hash = None
+        self.cached.clear()

@@ -1,0 +1,78 @@
+"""Incremental detokenisation and stop strings.
+
+Text is decoded from a small window of tokens: `ids[prefix:]` minus `ids[prefix:read]`, where
+`ids[prefix:read]` are tokens already turned into text and give the decoder its context (a word's
+leading space, a multi-byte character split over tokens). New text is emitted only when it is stable:
+it grows and does not end with U+FFFD, the mark of an incomplete UTF-8 sequence.
+
+Stop strings: text that could still be the start of a stop string is held back; when a stop string
+appears, the text ends just before it and the stop string is not part of the output.
+"""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5  # prompt tokens put in front of the first output token as decoding context
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], *, stop: list[str] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop)
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""  # all stable text (cut before a stop string once one is found)
+        self.emitted = 0  # characters of self.text released to the caller
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Take new output tokens; return the text that became safe to show (may be '')."""
+        if self.stop_string is not None:
+            return ""
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            new = after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+            start = max(0, len(self.text) - self.max_stop + 1)
+            self.text += new
+            self._find_stop(start)
+        return self._release(final=self.stop_string is not None)
+
+    def _find_stop(self, start: int) -> None:
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.text = self.text[:best[0]]
+            self.stop_string = best[1]
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            end -= self._held_back()
+        end = max(end, self.emitted)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is the start of some stop string."""
+        for n in range(min(self.max_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        """The request ended: release what was held back (incomplete characters stay out)."""
+        return self._release(final=True)

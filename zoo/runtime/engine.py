@@ -1,0 +1,142 @@
+"""LLMEngine: requests in, one scheduled + executed + sampled + detokenised step at a time.
+
+    engine = LLMEngine(model, config, tokenizer, num_blocks=64)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...   # RequestOutput with the step's delta and the text so far
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from zoo.runtime.detokenizer import IncrementalDetokenizer
+from zoo.runtime.kv_cache import DEFAULT_KV_MEMORY, KVCacheManager, bytes_per_token, cache_specs, num_blocks_for
+from zoo.runtime.model_runner import ModelRunner
+from zoo.runtime.request import Request, RequestStatus
+from zoo.runtime.sampling_params import SamplingParams
+from zoo.runtime.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # all text so far (held-back text excluded)
+    token_ids: list[int]  # all output tokens so far (a stop token id included)
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    delta_text: str = ""  # new this step
+    delta_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def eos_token_ids(config, tokenizer=None, generation_config=None) -> set[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    for source in (generation_config, config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {eos} if eos is not None else set()
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, config, tokenizer=None, *, model_id: str = "",
+                 generation_config=None, num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 device: torch.device | str | None = None):
+        self.model = model.eval()
+        self.config = config
+        self.tokenizer = tokenizer
+        if device is None:
+            device = next(model.parameters()).device
+        specs = cache_specs(model)
+        model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
+        if num_blocks is None:
+            wanted = -(-model_len * max_num_seqs // block_size)  # enough for every sequence at full length
+            num_blocks = min(wanted, num_blocks_for(specs, block_size, kv_cache_memory or DEFAULT_KV_MEMORY))
+        self.max_model_len = min(model_len, num_blocks * block_size)  # a request always fits the pool alone
+        dtypes = sorted({str(s.dtype) for s in specs.values()})
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching,
+                                 namespace=f"{model_id}|{','.join(dtypes)}")
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device)
+        self.kv_bytes_per_token = bytes_per_token(specs)
+        self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            text, prompt = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        req = Request(request_id, list(prompt), params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+                      prompt=text)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            if self.scheduler.has_unfinished():
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(f"nothing could be scheduled: request {head.request_id!r} ({head.num_tokens} "
+                                   f"tokens) does not fit the KV pool of {self.kv.pool.num_blocks} blocks of "
+                                   f"{self.kv.block_size} tokens; raise num_blocks")
+            return []
+        self.num_steps += 1
+        reqs, sampled = self.runner.execute(out, self.kv)
+        tokens = {}
+        for i, req in enumerate(reqs):
+            tokens[req.request_id] = sampled.token_ids[i]
+            if req.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
+        self.scheduler.update_from_output(out, tokens)
+        return [self._output(req, tokens[req.request_id]) for req in reqs]
+
+    def _output(self, req: Request, token: int) -> RequestOutput:
+        delta, text = "", ""
+        detok = self.detokenizers.get(req.request_id)
+        if detok is not None:
+            delta = detok.add_tokens([token])
+            if detok.stop_string is not None and not req.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, detok.stop_string)
+            if req.finished:
+                delta += detok.flush()
+                del self.detokenizers[req.request_id]
+            text = detok.text[:detok.emitted]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, text, list(req.output_token_ids),
+                             req.logprobs, req.finish_reason, req.stop_reason, delta, [token],
+                             req.num_cached_tokens or 0, req.num_preemptions)

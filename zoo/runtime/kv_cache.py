@@ -1,0 +1,148 @@
+"""KV cache: what each layer stores per token, how many blocks fit, and which blocks each request holds.
+
+Sizing: every module with a `cache_spec()` declares what one token costs in its own tensor
+`[NB, BS, *per_token]` (K/V heads for attention, a latent for MLA). The pool's NB is shared by all of
+them, so a token costs the sum of their `bytes_per_token()`, and a memory budget buys
+budget // (BS * that sum) blocks. All attention layers of a dense model share one block table.
+
+Doors left open (not built): sliding-window layers could release blocks that fell out of the window
+(CacheSpec.sliding_window); hybrid SSM models need per-request state slots (a second pool keyed by
+request, passed as ForwardBatch.state_indices) and would hash blocks with their state; multimodal
+prompts add the image hashes to a block's hash (`hash_block(extra=...)`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zoo.runtime.batch import CacheSpec
+from zoo.runtime.block_pool import BlockPool, KVBlock, hash_block
+from zoo.runtime.request import Request
+
+DEFAULT_KV_MEMORY = 1 << 30  # bytes, when neither num_blocks nor a budget is given
+
+
+def cache_specs(model: torch.nn.Module) -> dict[str, CacheSpec]:
+    """prefix -> CacheSpec for every module of `model` that declares a cache (in module order)."""
+    specs = {}
+    for name, module in model.named_modules():
+        fn = getattr(module, "cache_spec", None)
+        if callable(fn):
+            spec = fn()
+            if spec is None:
+                continue
+            prefix = getattr(module, "prefix", None) or name
+            if prefix in specs:
+                raise ValueError(f"two modules declare a cache under the prefix {prefix!r}")
+            specs[prefix] = spec
+    return specs
+
+
+def bytes_per_token(specs: dict[str, CacheSpec]) -> int:
+    return sum(s.bytes_per_token() for s in specs.values())
+
+
+def num_blocks_for(specs: dict[str, CacheSpec], block_size: int, memory_bytes: int) -> int:
+    per_block = bytes_per_token(specs) * block_size
+    if per_block == 0:
+        raise ValueError("the model declares no cache_spec(): nothing to size a KV pool from")
+    return max(1, memory_bytes // per_block)
+
+
+def allocate_kv_caches(specs: dict[str, CacheSpec], num_blocks: int, block_size: int,
+                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """prefix -> torch.empty(NB, BS, *per_token) in the spec's dtype."""
+    return {p: torch.empty(num_blocks, block_size, *s.per_token, dtype=s.dtype, device=device)
+            for p, s in specs.items()}
+
+
+class KVCacheManager:
+    """Which blocks each request holds; prefix-cache lookups and publication; the pool's accounting."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, namespace: str = ""):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.enable_caching = enable_caching
+        self.namespace = namespace  # the model identity; each request adds its cache_salt
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are published
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # tokens found in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes over the complete blocks of its tokens (prompt and outputs)."""
+        bs, ns = self.block_size, self.namespace + "|" + (req.cache_salt or "")
+        hashes, tokens = req.block_hashes, req.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], ns))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of whole blocks, leaving at least one token to compute."""
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        found = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            found.append(block)
+        return found, len(found) * self.block_size
+
+    def record_hit(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup (failed admissions retry and are not counted twice)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()) -> bool:
+        """Make room for num_new_tokens more tokens of `req` (after its computed ones and the cache hits).
+
+        Returns False, changing nothing, when the free list is too short.
+        """
+        held = self.req_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        need = math.ceil((num_computed + num_new_tokens) / self.block_size) - len(held) - len(new_computed_blocks)
+        # Cache hits that nobody references sit in the free list: touching them takes them out of it.
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - revived:
+            if not held:
+                del self.req_blocks[req.request_id]
+            return False
+        if new_computed_blocks:
+            self.pool.touch(list(new_computed_blocks))
+            held.extend(new_computed_blocks)
+            self.num_cached_blocks[req.request_id] = len(held)
+        if need > 0:
+            held.extend(self.pool.allocate(need))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Publish the request's blocks that became complete and computed (call after the step ran)."""
+        if not self.enable_caching:
+            return
+        held = self.req_blocks.get(req.request_id, [])
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        end = min(req.num_computed_tokens // self.block_size, len(held))
+        if end <= start:
+            return
+        self.update_block_hashes(req)
+        for i in range(start, end):
+            self.pool.cache(held[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = end
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,95 @@
+"""A request: its tokens, how many of them sit in the KV cache, and where it is in its life.
+
+The runtime has one notion of progress: `num_computed_tokens`, the prefix of `all_token_ids` whose
+K/V are in the cache. Prefill, a chunk of a prefill, a decode step and a prefix-cache hit all move it
+forward; a request samples a token when a step brings it to `num_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from zoo.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from its prompt + outputs so far
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context length
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        cache_salt: str | None = None,
+        prompt: str | None = None,
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # prompt + outputs, grows by one per sample
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | self.eos_token_ids
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+        self.block_hashes: list[bytes] = []  # chained hashes of the complete blocks of all_token_ids
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def finish(self, status: RequestStatus, reason: int | str | None = None) -> None:
+        self.status = status
+        self.finish_reason = status.value
+        self.stop_reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens})")

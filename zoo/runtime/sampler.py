@@ -1,0 +1,138 @@
+"""The sampler: penalties, temperature, top-k, top-p, min-p, then one token per row; logprobs.
+
+Shape legend:  N = rows sampled this step (one per request that samples)   V = vocabulary
+               L = longest token history among the N requests
+
+Everything is batched over the N rows with tensor ops; the only per-request work is building the
+small parameter tensors and drawing seeded rows' noise from their own generator. Sampling uses the
+exponential race: argmax(probs / q), q ~ Exp(1) per entry, which draws from `probs`. A seeded request
+draws its V exponentials from its own torch.Generator, so its tokens do not depend on the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zoo.runtime.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [N]
+    logprobs: list[dict[int, float] | None]  # [N]: token -> raw logprob (sampled token first), or None
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence/frequency penalties over output tokens."""
+    n, v = logits.shape
+    device = logits.device
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)  # [N]
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)  # [N]
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)  # [N]
+    if bool((rep != 1.0).any()):
+        seen = _token_counts([r.all_token_ids for r in reqs], v, device) > 0  # [N, V]
+        rep_b = rep[:, None].expand(n, v)
+        penalised = torch.where(logits > 0, logits / rep_b, logits * rep_b)
+        logits = torch.where(seen, penalised, logits)
+    if bool((pres != 0).any() or (freq != 0).any()):
+        counts = _token_counts([r.output_token_ids for r in reqs], v, device)  # [N, V]
+        logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[N, V] float: how often each token occurs in each row's history (one scatter_add, padded)."""
+    longest = max((len(h) for h in histories), default=0)
+    ids = torch.full((len(histories), longest), vocab, dtype=torch.int64)  # [N, L], pad = an extra column
+    for i, h in enumerate(histories):
+        if h:
+            ids[i, :len(h)] = torch.tensor(h, dtype=torch.int64)
+    counts = torch.zeros(len(histories), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf what top-k (ties with the k-th kept) and top-p (smallest head with mass >= p) drop."""
+    srt, idx = logits.sort(dim=-1)  # [N, V] ascending
+    v = logits.shape[-1]
+    if top_k is not None:
+        kth = srt.gather(1, (v - top_k).clamp(0, v - 1)[:, None])  # [N, 1] the k-th largest value
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+    if top_p is not None:
+        cum = srt.softmax(-1).cumsum(-1)  # [N, V] mass of the tail up to here
+        drop = cum <= (1 - top_p)[:, None]
+        drop[:, -1] = False  # keep the most likely token
+        srt = srt.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, srt)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(-1)  # [N, V]
+    threshold = min_p[:, None] * probs.max(-1, keepdim=True).values  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator  # for requests without a seed
+
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The logits the draw is made from ([N, V] float32); greedy rows get only the penalties."""
+        logits = logits.float()
+        params = [r.sampling_params for r in reqs]
+        if any(p.uses_penalties for p in params):
+            logits = apply_penalties(logits, reqs)
+        if all(p.greedy for p in params):
+            return logits
+        device = logits.device
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)  # [N]
+        logits = logits / temp[:, None]
+        v = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=device) \
+            if any(0 < p.top_k < v for p in params) else None
+        top_p = torch.tensor([p.top_p for p in params], device=device) if any(p.top_p < 1 for p in params) else None
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        return logits
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        raw = logits.float()
+        processed = self.process(raw, reqs)  # [N, V]
+        greedy = [r.sampling_params.greedy for r in reqs]
+        tokens = processed.argmax(-1)  # [N]
+        if not all(greedy):
+            probs = processed.softmax(-1)  # [N, V]
+            q = torch.empty_like(probs).exponential_(generator=self.generator)  # [N, V]
+            for i, r in enumerate(reqs):
+                if r.generator is not None and not greedy[i]:
+                    q[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(q.device)
+            drawn = (probs / q).argmax(-1)  # [N]
+            tokens = torch.where(torch.tensor(greedy, device=tokens.device), tokens, drawn)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, tokens, reqs))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Request]) -> list[dict[int, float] | None]:
+        wanted = [r.sampling_params.logprobs for r in reqs]
+        if all(w is None for w in wanted):
+            return [None] * len(reqs)
+        lp = raw.log_softmax(-1)  # [N, V]
+        k = max(w or 0 for w in wanted)
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])  # [N, k]
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()  # [N]
+        top_vals, top_ids, toks = top_vals.tolist(), top_ids.tolist(), tokens.tolist()
+        out = []
+        for i, w in enumerate(wanted):
+            if w is None:
+                out.append(None)
+                continue
+            d = {toks[i]: chosen[i]}
+            for t, val in zip(top_ids[i][:w], top_vals[i][:w]):
+                d.setdefault(t, val)
+            out.append(d)
+        return out
