@@ -68,9 +68,20 @@ def to_json(result: ParityResult) -> dict:
     }
 
 
+def _strict(x):
+    """NaN / inf -> None everywhere, so the file is valid JSON (json.dump would write NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
 def write_json(result: ParityResult, path) -> None:
     with open(path, "w") as f:
-        json.dump(to_json(result), f, indent=1)
+        json.dump(_strict(to_json(result)), f, indent=1, allow_nan=False)
 
 
 def _e(x) -> str:

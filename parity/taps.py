@@ -31,14 +31,16 @@ Protocol for zoo plugins (how a model says what its tap outputs are when they di
        "sum"    the output is (hidden, residual) in fused-residual style: the true output is
                 hidden + residual (residual None counts as 0). Decoder layers that return
                 (mlp_out, residual) and leave the add to the next layer's norm must declare this.
-       a callable `(output) -> Tensor`, e.g. a method of the module, for anything else.
+       a method `def parity_output(self, output) -> Tensor` of the module, for anything else.
 
 3. Router taps: a zoo gate module returns the router logits [T, E], or a tuple whose first tensor is
    the logits and whose last integer tensor holds the chosen experts [T, K]. Chosen experts are only
    compared when both sides expose them.
 
 The model's own forward output is the final hidden state [T, H]; logits are computed by the zoo
-model's `compute_logits` on every row of it (the zoo's own head, softcapping included).
+model's `compute_logits` on every row of it (the zoo's own head, softcapping included). The pseudo-tap
+SAMPLED holds the logits the runtime itself sampled from (its logits_indices rows), compared with the
+reference's logits at the same positions.
 """
 from __future__ import annotations
 

@@ -4,14 +4,18 @@ From a config.json (or a directory holding one) we keep everything that makes th
 it is and shrink only sizes, so parity can run in seconds before any weights are downloaded:
 
   kept        architecture, rope type/theta/scaling, partial rotary, norms and eps, activations, biases,
-              tied embeddings, softcapping, q/k norms, the GQA ratio (up to 4), head_dim / hidden ratio,
-              top-k and routing style, shared experts, MLA structure (q LoRA or not)
+              tied embeddings, softcapping, q/k norms, top-k and routing style, shared experts, MLA
+              structure (q LoRA or not), and the head_dim x heads / hidden ratio
   layers      the first layer plus the first layer of every other kind (each layer_types entry, dense vs
               MoE): at least 2; layer_types and the dense/MoE placement fields are rewritten to match
-  shrunk      hidden size (4 x head_dim 16 per group), intermediate sizes (same ratio to hidden),
-              experts (at most 8; DeepSeek groups kept), vocabulary (at most 256), sliding window (<= 8,
-              so the default prompts cross it), MLA ranks
-Weights are random (transformers' own init, seeded) and saved with save_pretrained (safetensors).
+  heads       MHA stays MHA (4 heads), MQA stays MQA (1 KV head), GQA keeps its group size up to 4 with
+              2 KV heads; head_dim 16 (query_pre_attn_scalar scaled with it)
+  shrunk      hidden size (from the heads and the kept ratio), intermediate sizes (same ratio to
+              hidden), experts (at most 8; DeepSeek groups kept), vocabulary (at most 256), sliding window
+              (at most 8, so the default prompts cross it), MLA ranks
+  not shrunk  a multimodal config's vision tower (only its text_config is shrunk)
+Weights are random (transformers' own init, seeded, initializer_range raised to 0.2 so that attention is
+far from uniform and masking / rotary errors show) and saved with save_pretrained (safetensors).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ HEAD_DIM = 16
 MAX_EXPERTS = 8
 MAX_VOCAB = 256
 MAX_WINDOW = 8
+WIDE_INIT = 0.2
 
 
 def load_config(source) -> transformers.PretrainedConfig:
@@ -153,6 +158,8 @@ def shrink_dict(d: dict) -> dict:
             d[key] = [v for v in value if v < vocab] or [vocab - 1]
         elif isinstance(value, int) and value >= vocab:
             d[key] = None if key == "pad_token_id" else vocab - 1 - ("bos" in key)
+    if "initializer_range" in d:  # wide random weights: attention far from uniform, so mask/rotary errors show
+        d["initializer_range"] = max(d["initializer_range"] or 0.0, WIDE_INIT)
     d["dtype"] = "float32"
     d.pop("torch_dtype", None)
     d.pop("quantization_config", None)

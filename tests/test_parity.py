@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from parity.align import from_padded, from_steps
 from parity.harness import run_parity
 from parity.reference import load_reference, run_reference
 from parity.taps import LOGITS
-from parity.tiny import shrink_dict
+from parity.tiny import save_tiny_checkpoint, shrink_dict
 from registry import get_registry
 from mutants import planted
 from tiny import save_tiny
@@ -246,6 +245,22 @@ def test_cli_tiny_from_a_full_size_config(tmp_path, capsys):
     small = json.loads((keep / "config.json").read_text())
     assert small["num_hidden_layers"] == 2 and small["sliding_window"] == 8 and small["hidden_size"] < 256
     assert (keep / "model.safetensors").exists() and "PASS" in out
+
+
+# transformers' default configs are full-size models; DeepSeek-V2's leaves top-k unset (None)
+FULL_SIZE_FIXES = {"DeepseekV2ForCausalLM": dict(num_experts_per_tok=6, n_group=8, topk_group=3)}
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_tiny_from_every_full_size_default_config(arch, tmp_path):
+    if arch not in get_registry().specs:
+        pytest.skip(f"{arch} is not registered")
+    config = getattr(transformers, arch).config_class(**FULL_SIZE_FIXES.get(arch, {}))
+    config.architectures = [arch]
+    config.save_pretrained(tmp_path / "full")
+    path = save_tiny_checkpoint(tmp_path / "full", tmp_path / "tiny")
+    result = run_parity(path, scenarios=("prefill", "decode"))
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
 
 
 # -- HTML in a real browser ---------------------------------------------------------------------------------------
