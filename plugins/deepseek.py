@@ -105,6 +105,9 @@ def validate(config) -> None:
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported; "
                          f"supported: {', '.join(ROPE_TYPES)}")
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    if experts is not None and not (isinstance(top_k, int) and 0 < top_k <= experts):
+        raise ValueError(f"config.num_experts_per_tok={top_k!r} must be an integer in 1..n_routed_experts={experts}")
     if config.model_type == "deepseek_v2" and (config.topk_method or "greedy") not in ("greedy",
                                                                                        "group_limited_greedy"):
         raise ValueError(f"config.topk_method={config.topk_method!r}: DeepSeek-V2 routes with 'greedy' or "

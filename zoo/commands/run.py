@@ -124,7 +124,9 @@ def _load(args):
     except LoadError as e:
         progress.done("failed")
         return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
-    progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s")
+    kv = llm.engine.kv
+    progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s; KV pool holds "
+                  f"{kv.pool.num_blocks * kv.block_size} tokens ({llm.engine.kv_bytes_per_token} B/token)")
     return llm
 
 
