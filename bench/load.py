@@ -6,7 +6,7 @@
 Per loader: wall time from the end of imports until the call returned, and until every weight is in
 memory and usable (one element of every page touched: transformers 5 returns weights that are still lazy
 memory maps, which page in on first use), and peak RSS above the post-import baseline. Loaders:
-    zoo         transformers' LlamaForCausalLM built on meta, filled by loader.load (identity rules)
+    zoo         transformers' LlamaForCausalLM built on meta (before timing), filled by loader.load
     safe_open   safetensors safe_open + copy_ into tensors preallocated from the headers
     from_pret.  transformers AutoModelForCausalLM.from_pretrained
     raw read    reading the files into a reused 64 MiB buffer (the speed of `cat`)
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -36,7 +35,12 @@ def rss_mb() -> float:
 
 
 def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """VmHWM: the peak RSS of this process image (ru_maxrss would carry the parent's peak across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 # -- one loader, in this (fresh) process -----------------------------------------------------------
@@ -54,11 +58,12 @@ def run_one(name: str, path: Path) -> dict:
     files = sorted(path.glob("*.safetensors"))
     with torch.device("meta"):  # transformers imports lazily on the first build: pay that before timing
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1}))
+    if name == "zoo":  # another engine brings its own module; building it on meta is not loading
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).to(dtype)
     base = rss_mb()
     t0 = time.perf_counter()
     if name == "zoo":
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(config).to(dtype)
         loader.load(model, path)
         weights = list(model.parameters())
     elif name == "safe_open":

@@ -6,7 +6,9 @@ check passed: after a LoadError it holds exactly what it held before.
 """
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +19,9 @@ from loader.plan import TieDecision, plan
 from loader.problems import LoadError, Problem
 from loader.rules import Rules
 from loader.sources import Source, open_source
+
+
+WORKERS = min(4, os.cpu_count() or 1)  # reader threads
 
 
 @dataclass
@@ -47,7 +52,7 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     source = open_source(source, strict=False)
     p = plan(module, source, rules, dtype=dtype)
     if p.problems:
-        raise LoadError(p.problems, f"{len(p.problems)} problems: {source.directory} does not fit "
+        raise LoadError(p.problems, f"{_count(p.problems)}: {source.directory} does not fit "
                                     f"{type(module).__name__} (nothing was loaded)")
     device = torch.device(device)
     written = {e.param for e in p.entries}  # (a persistent buffer the checkpoint lacks keeps its value)
@@ -56,19 +61,27 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     report = LoadReport(str(source.directory), ignored=p.ignored, ties=p.ties, parameters=len(storage))
     total = sum(source.info(e.key).nbytes for e in p.entries)
     problems: list[Problem] = []
-    for e in sorted(p.entries, key=lambda e: source.order(e.key)):
+
+    def read(e) -> tuple[int, int]:  # (bytes read, non-finite values); runs in a worker thread
         dest = e.region.view(storage[e.param])
-        report.bytes += source.read_into(e.key, dest)
-        report.tensors += 1
-        report.provenance.setdefault(e.param, []).append((e.key, e.file, e.region))
-        if check_finite and dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
-            bad = int((~torch.isfinite(dest)).sum())
-            problems.append(Problem("nonfinite", e.key, e.file, f"{e.param}{e.region}",
-                                    f"{e.key} in {e.file} has {bad} NaN/Inf values (-> {e.param}{e.region})"))
-        if progress is not None:
-            progress(report.bytes, total)
+        n = source.read_into(e.key, dest)
+        bad = int((~torch.isfinite(dest)).sum()) if check_finite and dest.is_floating_point() else 0
+        return n, bad
+
+    entries = sorted(p.entries, key=lambda e: source.order(e.key))
+    # A few threads fault pages in parallel (the copies release the GIL); results are taken in order.
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for e, (n, bad) in zip(entries, pool.map(read, entries)):
+            report.bytes += n
+            report.tensors += 1
+            report.provenance.setdefault(e.param, []).append((e.key, e.file, e.region))
+            if bad:
+                problems.append(Problem("nonfinite", e.key, e.file, f"{e.param}{e.region}",
+                                        f"{e.key} in {e.file} has {bad} NaN/Inf values (-> {e.param}{e.region})"))
+            if progress is not None:
+                progress(report.bytes, total)
     if problems:
-        raise LoadError(problems, f"{len(problems)} problems in {source.directory} (nothing was loaded)")
+        raise LoadError(problems, f"{_count(problems)} in {source.directory} (nothing was loaded)")
     _swap_in(module, p, storage, device)
     report.seconds = time.perf_counter() - t0
     return report
@@ -99,3 +112,7 @@ def _set(module: torch.nn.Module, name: str, value, *, buffer: bool) -> None:
     mod_name, _, leaf = name.rpartition(".")
     sub = module.get_submodule(mod_name) if mod_name else module
     (sub._buffers if buffer else sub._parameters)[leaf] = value
+
+
+def _count(problems: list) -> str:
+    return f"{len(problems)} problem{'s' * (len(problems) != 1)}"

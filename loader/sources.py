@@ -4,12 +4,13 @@
     source.keys() -> sorted keys;  source.info(key) -> TensorInfo(shape, dtype, file)
     source.get(key) -> tensor (memory-mapped, copy-on-write);  source.read_into(key, out) -> bytes read
 
-Safetensors headers are parsed here (8-byte length + JSON), so a plan needs no tensor data, and
-each read maps only one tensor's bytes and unmaps them after the copy into the destination (no mapped
-pages stay resident): that keeps a load's peak memory at about the weight bytes.
+Safetensors headers are parsed here (8-byte length + JSON), so a plan needs no tensor data, and a read
+maps at most a 64 MiB window of one tensor's bytes and unmaps it after the copy into the destination (no
+mapped pages stay resident): that keeps a load's peak memory at about the weight bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -18,6 +19,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
 from loader.problems import Problem, SourceError
@@ -30,6 +32,7 @@ SAFETENSORS_DTYPES = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
 SHARD_NAME = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
+WINDOW = 64 << 20  # bytes of a file mapped at once by read_into
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
@@ -120,28 +123,52 @@ class SafetensorsSource(Source):
     def get(self, key: str) -> torch.Tensor:
         """The tensor, backed by a private (copy-on-write) mapping of just its bytes in the file."""
         info = self.info(key)
-        f, begin, end = self._where[key]
+        _, begin, end = self._where[key]
         if end == begin:
             return torch.empty(info.shape, dtype=info.dtype)
         return _typed(self._map(key), info)
 
     def read_into(self, key: str, out: torch.Tensor) -> int:
-        """Map the tensor's bytes, copy (and cast) them into `out`, unmap: no page stays resident."""
-        f, begin, end = self._where[key]
-        if end > begin:
-            info = self.info(key)
-            src = self._map(key)
-            out.copy_(_typed(src, info))
-            m = src._zoo_mapping
+        """Copy (and cast) the tensor into `out` through mappings of at most WINDOW bytes each, unmapped
+        at once: a load never holds more than a window of mapped file pages on top of its weights."""
+        info = self.info(key)
+        _, begin, end = self._where[key]
+        if end == begin:
+            return 0
+        if out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous():
+            # a plain single-threaded memcpy: torch's multi-threaded copy_ is several times slower when
+            # the other cores are busy, and a load is bound by page faults, not by the copy
+            dst = out.view(-1).view(torch.uint8).numpy()
+            for at in range(begin, end, WINDOW):
+                with self._window(key, at, min(at + WINDOW, end)) as src:
+                    numpy.copyto(dst[at - begin: at - begin + src.numel()], src.numpy())
+            return end - begin
+        rows = info.shape[0] if info.shape else 1
+        row_bytes = (end - begin) // max(rows, 1)
+        step = max(1, WINDOW // max(row_bytes, 1))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            with self._window(key, begin + r * row_bytes, begin + (r + n) * row_bytes) as src:
+                part = _typed(src, TensorInfo((n, *info.shape[1:]) if info.shape else (), info.dtype, info.file))
+                (out[r: r + n] if info.shape else out).copy_(part)
+        return end - begin
+
+    @contextlib.contextmanager
+    def _window(self, key: str, begin: int, end: int):
+        src = self._map(key, begin, end)
+        m = src._zoo_mapping
+        try:
+            yield src
+        finally:
             del src
             try:
                 m.close()
             except BufferError:  # still viewed somewhere: unmapped when that goes
                 pass
-        return end - begin
 
-    def _map(self, key: str) -> torch.Tensor:
-        f, begin, end = self._where[key]
+    def _map(self, key: str, begin: int | None = None, end: int | None = None) -> torch.Tensor:
+        f, b, e = self._where[key]
+        begin, end = (b, e) if begin is None else (begin, end)
         try:
             return _map(f, begin, end)
         except (ValueError, OSError) as e:

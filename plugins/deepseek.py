@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rules, Stack, Tie
+from loader.rules import Fuse, Ignore, Rules, Stack
 from plugins.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from registry import ArchSpec, hookimpl
 from zoo.layers.deepseek_moe import DeepseekMoE, GroupLimitedRouter
@@ -117,7 +117,6 @@ def validate(config) -> None:
 RULES = Rules(
     fuses=(Fuse(("gate_proj", "up_proj"), "gate_up_proj"),),  # dense MLP, shared experts, each routed expert
     stacks=(Stack("experts"),),  # mlp.experts.{e}.gate_proj -> row e of mlp.experts.gate_up_proj
-    ties=(Tie("lm_head.weight", "model.embed_tokens.weight"),),
     ignores=(Ignore(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$",
                     "rotary tables that old checkpoints saved; recomputed from the config"),),
 )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rules, Tie
+from loader.rules import Fuse, Ignore, Rules
 from registry import ArchSpec, hookimpl
 from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
@@ -32,7 +32,8 @@ from zoo.runtime.batch import CacheSpec, ForwardBatch
 
 LLAMA_RULES = Rules(
     fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"), Fuse(("gate_proj", "up_proj"), "gate_up_proj")),
-    ties=(Tie("lm_head.weight", "model.embed_tokens.weight"),),
+    # No Tie rule: a tied config shares the tensor in the model itself (and the loader unties it if the
+    # checkpoint holds a real lm_head.weight); an untied model whose checkpoint lacks its head must fail.
     ignores=(Ignore(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$",
                     "rotary tables that old checkpoints saved; recomputed from the config"),),
 )

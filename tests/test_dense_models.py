@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from batching import allocate_kv, make_batch, run_step
 from tiny import load_reference, save_tiny
+from loader import LoadError
 from zoo.build import build_model
 
 ATOL = 1e-4
@@ -180,6 +181,28 @@ def test_untied_head_is_its_own_parameter(tmp_path):
     model, *_ = build_model(path)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_untied_head_missing_from_the_checkpoint_fails(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path, tie_word_embeddings=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError) as err:
+        build_model(path)
+    assert "missing: lm_head.weight: the checkpoint has no tensor for it" in str(err.value)
+
+
+def test_tied_config_with_a_real_head_in_the_checkpoint_loads_it(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path, tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    head = torch.randn_like(tensors["model.embed_tokens.weight"])
+    tensors["lm_head.weight"] = head
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model, _, _, report = build_model(path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, head)
+    assert any(t.param == "lm_head.weight" and not t.tied for t in report.ties), str(report)
 
 
 def test_cache_specs_follow_layers(tmp_path):

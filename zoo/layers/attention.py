@@ -11,6 +11,9 @@ Request i's new token j sits at absolute position p = seq_len - Tq + j and atten
 positions c with c <= p and, with a sliding window W, c > p - W (the last W positions, itself
 included: transformers' `kv_idx > q_idx - sliding_window`). Blocks wholly outside the window are never
 read, so a cache manager may recycle them.
+
+Fast path (float32, CPU, no autograd): `zoo.kernels.attention` writes the cache and attends for every
+token of every request in one call (no per-request loop, no masks); the torch path below is the reference.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 
 
@@ -48,6 +52,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             if kv_cache.dtype != k.dtype:
                 raise TypeError(f"{self.prefix}: KV cache is {kv_cache.dtype} but keys are {k.dtype}")
+        elif batch.seq_lens_cpu:
+            self._check_whole_prompts(batch)
+        if kernels.fast(q, k, v) and (kv_cache is None or kv_cache.is_contiguous()):
+            return kernels.attention(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.sliding_window,
+                                     softcap=self.softcap)  # [T, H * D]
+        if kv_cache is not None:
             flat = kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim)  # [NB * BS, 2, KV, D]
             flat.index_copy_(0, batch.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, KV, D] into their slots
         starts, out = batch.query_start_loc_cpu, torch.empty_like(q)  # [T, H, D]
@@ -57,14 +67,18 @@ class Attention(nn.Module):
                 continue
             first = 0 if self.sliding_window is None else max(0, seq_len - (e - s) - self.sliding_window + 1)
             if kv_cache is None:
-                if seq_len != e - s:
-                    raise ValueError(f"{self.prefix}: request {i} has {seq_len - (e - s)} cached tokens but the "
-                                     f"batch carries no KV cache for this layer")
                 ctx_k, ctx_v, first = k[s:e], v[s:e], 0  # [L, KV, D]
             else:
                 ctx_k, ctx_v, first = self._context(kv_cache, batch, i, first, seq_len)
             out[s:e] = self._attend(q[s:e], ctx_k, ctx_v, first, seq_len)
         return out.flatten(1)  # [T, H * D]
+
+    def _check_whole_prompts(self, batch: ForwardBatch) -> None:
+        starts = batch.query_start_loc_cpu
+        for i, seq_len in enumerate(batch.seq_lens_cpu):
+            if seq_len != starts[i + 1] - starts[i]:
+                raise ValueError(f"{self.prefix}: request {i} has {seq_len - (starts[i + 1] - starts[i])} cached "
+                                 f"tokens but the batch carries no KV cache for this layer")
 
     def _context(self, kv_cache, batch, i, first, seq_len):
         """K, V [L, KV, D] of request i's context positions first // BS * BS .. seq_len - 1."""

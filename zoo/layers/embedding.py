@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
+
 
 class VocabEmbedding(nn.Module):
     """weight [V, H]; `scale` multiplies the rows (Gemma: sqrt(H), rounded to the weight's dtype first)."""
@@ -42,7 +44,10 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, H] -> [N, V]
+        if kernels.fast(hidden, self.weight):
+            logits = kernels.linear(hidden, self.weight)  # [N, H] -> [N, V]
+        else:
+            logits = F.linear(hidden, self.weight)  # [N, H] -> [N, V]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

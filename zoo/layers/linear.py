@@ -7,12 +7,17 @@ Shape legend:
 A fused weight carries `weight.shard_sizes` (and `bias.shard_sizes`): the rows each checkpoint tensor
 fills, in order. The loader's Fuse rule reads it to slice `q_proj` / `k_proj` / `v_proj` into `qkv_proj`
 and `gate_proj` / `up_proj` into `gate_up_proj`.
+
+Fast path: float32 on the CPU without autograd runs `zoo.kernels.linear` (a streaming GEMV / small GEMM
+over the checkpoint layout, torch's sgemm past kernels.SMALL_M rows); ZOO_FAST=0 keeps F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zoo import kernels
 
 
 class Linear(nn.Module):
@@ -25,6 +30,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None  # [O]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.fast(x, self.weight):
+            return kernels.linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
         return F.linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
 
     def extra_repr(self) -> str:

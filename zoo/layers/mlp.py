@@ -2,6 +2,8 @@
 
 Shape legend:
     T = tokens    H = hidden size    I = intermediate size
+
+Fast path (float32, CPU, no autograd, silu): `zoo.kernels.silu_mul` computes silu(gate) * up in one pass.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.layers.linear import Linear, MergedLinear
 
 # transformers' ACT2FN names -> the function it computes
@@ -36,9 +39,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.act = activation(hidden_act)
+        self.silu = self.act is F.silu  # the fused kernel computes silu only
         self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, 2I] -> [T, I], [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.silu and kernels.fast(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))  # [T, 2I] -> [T, I] -> [T, H]
+        gate, up = self.gate_up_proj.split(gate_up)  # [T, 2I] -> [T, I], [T, I]
         return self.down_proj(self.act(gate) * up)  # [T, I] -> [T, H]

@@ -14,6 +14,9 @@ model built on the meta device needs nothing materialised for it.
 "dynamic" (NTK) depends on the context length: as in transformers, a sequence longer than
 max_position_embeddings uses frequencies recomputed for its own length (here per request, from
 `batch.seq_lens_cpu`; transformers uses the longest sequence of its padded batch).
+
+Fast path (float32, CPU, no autograd): `zoo.kernels.rotary` reads the table rows itself and rotates in
+one pass, rounding exactly as `rotate` does (same products, same sums).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import json
 import math
 
 import torch
+
+from zoo import kernels
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -143,16 +148,21 @@ class RotaryEmbedding:
         freqs = positions[:, None].float() * inv_freq.to(positions.device)  # [T, F] float32
         return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)  # [T, F], [T, F]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
-        """cos, sin [T, F] for positions < num_positions, looked up in a table grown to a power of two."""
-        key = (positions.device, dtype)
+    def table(self, device: torch.device, dtype: torch.dtype, num_positions: int):
+        """The cos, sin tables [L, F] of positions 0 .. L - 1, L >= num_positions (grown to a power of two)."""
+        key = (device, dtype)
         table = self._tables.get(key)
         if table is None or table[0].shape[0] < num_positions:
             length = max(256, 1 << (num_positions - 1).bit_length())
             inv_freq, scaling = self.inv_freq()
-            table = self._cos_sin(torch.arange(length, device=positions.device), inv_freq, scaling, dtype)  # [L, F]
+            table = self._cos_sin(torch.arange(length, device=device), inv_freq, scaling, dtype)  # [L, F]
             self._tables[key] = table
-        return table[0][positions], table[1][positions]  # [T, F], [T, F]
+        return table
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
+        """cos, sin [T, F] for positions < num_positions, looked up in the table."""
+        cos, sin = self.table(positions.device, dtype, num_positions)
+        return cos[positions], sin[positions]  # [T, F], [T, F]
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch=None):
         """q [T, n, D], k [T, n_kv, D] -> both rotated, same shapes and dtype. `batch` gives host lengths."""
@@ -160,8 +170,12 @@ class RotaryEmbedding:
             num_positions = max(batch.seq_lens_cpu)
         else:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1  # one device sync
+        grown = self.rope_type == "dynamic" and num_positions > self.max_position_embeddings
+        if not grown and kernels.fast(q, k):
+            cos, sin = self.table(positions.device, q.dtype, num_positions)  # [L, F]
+            return kernels.rotary(q, positions, cos, sin), kernels.rotary(k, positions, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype, num_positions)
-        if self.rope_type == "dynamic" and num_positions > self.max_position_embeddings:
+        if grown:
             cos, sin = self._dynamic(positions, q.dtype, cos, sin, batch, num_positions)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 

@@ -1,0 +1,216 @@
+"""Native CPU kernels for the float32 hot path: small-batch linear, RMS norm, rotary, paged attention, SwiGLU.
+
+Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
+bandwidth when the weights stream from memory (each is used once per step, so nothing stays in cache);
+a layer also costs a dozen small torch ops whose dispatch adds up over 30 layers. `cpu.cpp` has one kernel
+per layer op (see its comments for the layouts); bench/kernels.py measures each against torch.
+
+Use from a layer:
+
+    if kernels.fast(x, self.weight):       # float32 CPU tensors, no autograd, kernels on and built
+        return kernels.linear(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)   # the reference path: autograd, other dtypes and devices
+
+`ZOO_FAST=0` in the environment turns every kernel off (read at each call, so tests can flip it).
+Build: the first call compiles cpu.cpp with $CXX (default g++) into ~/.cache/zoo/kernels/<hash>/
+(`ZOO_CACHE_DIR` replaces ~/.cache/zoo); the hash covers the source, the flags, the compiler and this
+machine's CPU flags (the build uses -march=native). A second or so, once per machine and source version.
+A failed build warns once, naming the compiler's error, and the torch path stays on.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+SMALL_M = 64  # rows up to which zoo_linear beats torch's sgemm on weights streamed from memory (bench/kernels.py)
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "zoo_linear": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
+    "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
+    "zoo_rope": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L, _P, _I],
+    "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
+    "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
+                      _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
+}
+_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int}
+_BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
+
+
+def enabled() -> bool:
+    """Kernels switched on (ZOO_FAST is not "0") and built."""
+    return os.environ.get("ZOO_FAST", "1") != "0" and _load() is not None
+
+
+def fast(*tensors: torch.Tensor) -> bool:
+    """Whether a layer should take the native path for these tensors."""
+    if os.environ.get("ZOO_FAST", "1") == "0" or torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return _load() is not None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ZOO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "zoo")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_signature(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / key / "zoo_kernels.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: concurrent builds are safe
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {SOURCE}:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, _RESTYPES.get(name)
+        _lib = lib
+    except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
+        warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as [rows, last dim] with a unit last stride (a copy only when the view cannot exist)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): [..., K] -> [..., N]; torch's sgemm past SMALL_M rows."""
+    n, k = weight.shape
+    m = x.numel() // k if k else 0
+    if m == 0 or m > SMALL_M or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return F.linear(x, weight, bias)
+    x2 = _rows(x)
+    y = torch.empty(m, n, dtype=x.dtype)
+    _lib.zoo_linear(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k, _ptr(bias), y.data_ptr(), n,
+                    torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False) -> torch.Tensor:
+    """Llama's `w * (x * r)` or, with gemma, `(x * r) * (1 + w)`; r = rsqrt(mean(x^2) + eps); any leading dims."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    _lib.zoo_rms_norm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.contiguous().data_ptr(), eps,
+                      int(gemma), out.data_ptr(), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n, D] (unit last stride) rotated by the table rows cos/sin [L, F] at positions [T] (all < L)."""
+    t, n, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(t, n, d, dtype=x.dtype)
+    bad = _lib.zoo_rope(x.data_ptr(), t, n, x.stride(0), x.stride(1), d, positions.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), cos.shape[0], cos.shape[1], out.data_ptr(), torch.get_num_threads())
+    if bad >= 0:
+        raise IndexError(f"rotary: token {bad} has position {int(positions[bad])}, outside the cos/sin table "
+                         f"of {cos.shape[0]} positions")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat(gate, up) [T, 2I] -> [T, I]."""
+    g = _rows(gate_up)
+    i = g.shape[1] // 2
+    out = torch.empty(g.shape[0], i, dtype=g.dtype)
+    _lib.zoo_silu_mul(g.data_ptr(), g.shape[0], i, g.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out.view(*gate_up.shape[:-1], i)
+
+
+def _int(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None, batch, *,
+              scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KV, D] (unit last strides) -> [T, H * D]: writes k/v to their slots of kv_cache
+    [NB, BS, 2, KV, D], then causal attention of each token over its request's context (see cpu.cpp)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    qsl, seq_lens = _int(batch.query_start_loc, torch.int32), _int(batch.seq_lens, torch.int32)
+    if qsl.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"attention: batch.query_start_loc has shape {tuple(qsl.shape)}, expected "
+                         f"({seq_lens.shape[0] + 1},) for {seq_lens.shape[0]} requests")
+    out = torch.empty(t, h * d, dtype=q.dtype)
+    if kv_cache is not None:
+        if not kv_cache.is_contiguous():
+            raise ValueError(f"the KV cache must be contiguous, got strides {kv_cache.stride()}")
+        slots, tables = _int(batch.slot_mapping, torch.int64), _int(batch.block_tables, torch.int32)
+        if slots.shape != (t,) or tables.dim() != 2 or tables.shape[0] < seq_lens.shape[0]:
+            raise ValueError(f"attention: batch.slot_mapping {tuple(slots.shape)} / block_tables "
+                             f"{tuple(tables.shape)} do not fit {t} tokens of {seq_lens.shape[0]} requests")
+        cache_args = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], slots.data_ptr(), tables.data_ptr(),
+                      tables.shape[1])
+    else:
+        cache_args = (None, 0, 1, None, None, 0)
+    bad = _lib.zoo_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                             v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), t, h, kvh, d, *cache_args,
+                             qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
+                             sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    if bad:
+        raise ValueError(f"attention: batch.{_BATCH_FIELDS[bad]} is inconsistent with the step's {t} tokens, "
+                         f"{seq_lens.shape[0]} requests and the cache of shape {tuple(kv_cache.shape) if kv_cache is not None else None}")
+    return out
