@@ -22,7 +22,7 @@ BUILTIN = {
 def _commands() -> dict[str, tuple[str, str]]:
     commands = dict(BUILTIN)
     for ep in importlib.metadata.entry_points(group="zoo.commands"):
-        commands.setdefault(ep.name, (ep.value, f"{ep.name} (from {ep.value})"))
+        commands.setdefault(ep.name, (ep.value, None))  # help: the module docstring's first line
     return commands
 
 
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     module = None
     for name, (path, help_) in commands.items():
+        if help_ is None and chosen in (None, "-h", "--help"):
+            help_ = (importlib.import_module(path).__doc__ or path).strip().splitlines()[0]
         p = sub.add_parser(name, help=help_)
         if name == chosen:
             module = importlib.import_module(path)
