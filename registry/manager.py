@@ -32,6 +32,10 @@ ENTRY_POINT_GROUP = "zoo"
 class RegistryError(Exception):
     """A conflict between plugins, or a plugin that does not follow the hook contract."""
 
+    def __init__(self, message: str, *, conflicts: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.conflicts = conflicts  # architectures claimed by two plugins
+
 
 class UnsupportedArchitecture(LookupError):
     def __init__(self, message: str, failures: dict[str, BaseException]):
@@ -46,6 +50,7 @@ class Registry:
         self.specs: dict[str, ArchSpec] = {}  # architecture -> the spec that serves it
         self._by_plugin: dict[str, list[ArchSpec]] = {}  # in registration order
         self.failures: dict[str, BaseException] = {}  # plugin name -> the exception that stopped it
+        self.conflicts: dict[str, str] = {}  # architecture -> why it is ambiguous (two plugins claim it)
         if builtins:
             for name in BUILTIN_PLUGINS:
                 self._import_and_register(name)
@@ -54,15 +59,12 @@ class Registry:
 
     # -- plugins ---------------------------------------------------------------------------------
     def register_plugin(self, plugin: ModuleType | object, name: str | None = None) -> None:
-        """Register a plugin object (a module or any object with hookimpls) and collect its specs."""
+        """Register a plugin object (a module or any object with hookimpls) and collect its specs.
+
+        Raises RegistryError (a misspelt hook, a bad spec, a conflicting claim, an exception inside the
+        hook); the registry is then exactly as it was before the call.
+        """
         name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-        try:
-            self.pm.register(plugin, name=name)
-            self.pm.check_pending()  # a misspelt hook name fails here, loudly
-        except pluggy.PluginValidationError as e:
-            if self.pm.get_plugin(name) is not None:
-                self.pm.unregister(name=name)
-            raise RegistryError(f"plugin {name!r}: {e}") from e
         new: list[ArchSpec] = []
 
         def register(spec: ArchSpec) -> None:
@@ -70,16 +72,20 @@ class Registry:
                 raise RegistryError(f"plugin {name!r} registered {spec!r}, which is not an ArchSpec")
             new.append(ArchSpec(**{**spec.__dict__, "plugin": name}))
 
-        impl = getattr(plugin, "register_architectures", None)
-        if impl is not None:
-            impl(register=register)
-        self._by_plugin[name] = new
         try:
-            self.specs = _table(self._by_plugin)
-        except RegistryError:
-            del self._by_plugin[name]
-            self.pm.unregister(name=name)
-            raise
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()  # a misspelt hook name fails here, loudly
+            impl = getattr(plugin, "register_architectures", None)
+            if impl is not None:
+                impl(register=register)
+            self.specs = _table({**self._by_plugin, name: new})
+        except Exception as e:
+            if self.pm.get_plugin(name) is not None:
+                self.pm.unregister(name=name)
+            if isinstance(e, RegistryError):
+                raise
+            raise RegistryError(f"plugin {name!r}: {type(e).__name__}: {e}") from e
+        self._by_plugin[name] = new
 
     def unregister_plugin(self, name: str) -> None:
         """Remove a plugin and its architectures (what an override had shadowed comes back)."""
@@ -88,28 +94,29 @@ class Registry:
         self.specs = _table(self._by_plugin)
 
     def _import_and_register(self, module: str, name: str | None = None) -> None:
-        try:
-            plugin = importlib.import_module(module)
-        except Exception as e:  # kept, and shown when an architecture is missing
-            self.failures[name or module] = e
-            return
-        self.register_plugin(plugin, name=name or module)
+        self._load(name or module, lambda: importlib.import_module(module))
 
     def _load_entry_points(self) -> None:
         allow = os.environ.get("ZOO_PLUGINS")
         allowed = None if allow is None else {p.strip() for p in allow.split(",") if p.strip()}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if allowed is not None and ep.name not in allowed:
-                continue
-            try:
-                plugin = ep.load()
-            except Exception as e:
-                self.failures[ep.name] = e
-                continue
-            self.register_plugin(plugin, name=ep.name)
+            if allowed is None or ep.name in allowed:
+                self._load(ep.name, ep.load)
+
+    def _load(self, name: str, importer) -> None:
+        """Import and register one plugin; a failure is kept (and shown by `zoo list` and by the error
+        for an architecture that is missing), never raised, so one broken plugin spoils nothing else."""
+        try:
+            self.register_plugin(importer(), name=name)
+        except Exception as e:
+            self.failures[name] = e.__cause__ if isinstance(e, RegistryError) and e.__cause__ else e
+            for arch in getattr(e, "conflicts", ()):
+                self.conflicts[arch] = str(e)
 
     # -- lookup ----------------------------------------------------------------------------------
     def get(self, architecture: str) -> ArchSpec:
+        if architecture in self.conflicts:  # ambiguous: neither claim is served until one overrides
+            raise UnsupportedArchitecture(self.conflicts[architecture], dict(self.failures))
         spec = self.specs.get(architecture)
         if spec is not None:
             return spec
@@ -124,8 +131,8 @@ class Registry:
         cfg = _as_dict(config)
         archs = list(cfg.get("architectures") or [])
         for arch in archs:
-            if arch in self.specs:
-                return self.specs[arch]
+            if arch in self.specs or arch in self.conflicts:
+                return self.get(arch)
         model_type = str(cfg.get("model_type") or "")
         if not archs and model_type:
             for arch, spec in self.specs.items():
@@ -159,7 +166,8 @@ def _table(by_plugin: dict[str, list[ArchSpec]]) -> dict[str, ArchSpec]:
                 elif not old.override or spec.override:
                     raise RegistryError(
                         f"architecture {arch!r} is claimed by two plugins: {old.plugin!r} and {spec.plugin!r}; "
-                        f"set override=True in one ArchSpec to say which one serves it"
+                        f"set override=True in one ArchSpec to say which one serves it",
+                        conflicts=(arch,),
                     )
     return table
 

@@ -73,6 +73,29 @@ def test_unknown_architecture_lists_supported_and_the_import_error():
     assert isinstance(err.value.failures["broken"], ModuleNotFoundError)
 
 
+def test_a_broken_plugin_is_kept_as_a_failure_and_spoils_nothing():
+    class Broken:
+        @hookimpl
+        def register_architectures(self, register):
+            register(ArchSpec(("X",), "m:C", "densest"))  # raises inside the hook
+
+    reg = Registry(builtins=False, entry_points=False)
+    reg._load("broken", Broken)
+    assert isinstance(reg.failures["broken"], ValueError) and "densest" in str(reg.failures["broken"])
+    assert reg.pm.get_plugin("broken") is None  # nothing half-registered: the same name registers again
+    reg.register_plugin(Claims(spec()), name="broken")
+    assert reg.get("FooForCausalLM").plugin == "broken"
+
+
+def test_two_entry_points_claiming_one_architecture_make_it_ambiguous():
+    reg = Registry(builtins=False, entry_points=False)
+    reg._load("first", lambda: Claims(spec(), spec("OtherForCausalLM")))
+    reg._load("second", lambda: Claims(spec()))
+    assert reg.get("OtherForCausalLM").plugin == "first"  # the rest of the first plugin still serves
+    with pytest.raises(UnsupportedArchitecture, match="claimed by two plugins: 'first' and 'second'"):
+        reg.resolve({"architectures": ["FooForCausalLM"]})
+
+
 def test_misspelt_hook_fails_at_registration():
     class Typo:
         @hookimpl
