@@ -88,6 +88,11 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
 
 
 def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], device: torch.device) -> None:
+    clash = [Problem("shape", None, None, name, f"{name} has shape {list(p.params[name].shape)} but would share "
+                                                 f"{owner}'s tensor of shape {list(storage[owner].shape)}")
+             for name, owner in p.owner.items() if owner in storage and storage[owner].shape != p.params[name].shape]
+    if clash:  # plan() refuses such ties; checked again before the module is touched
+        raise LoadError(clash, f"{_count(clash)} tying parameters of {type(module).__name__} (nothing was loaded)")
     old = dict(module.named_parameters(remove_duplicate=False))
     new_params: dict[str, torch.nn.Parameter] = {}
     for name, owner in p.owner.items():

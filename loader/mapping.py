@@ -24,10 +24,6 @@ class Region:
     start: int = 0
     stop: int = 0
 
-    @property
-    def whole(self) -> bool:
-        return self.expert is None and self.dim is None
-
     def __str__(self) -> str:
         parts = [] if self.expert is None else [str(self.expert)]
         if self.dim is not None:

@@ -91,15 +91,21 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         if tuple(info.shape) != expected:
             out.problems.append(Problem("shape", key, info.file, where,
                 f"{key} in {info.file} has shape {list(info.shape)} but {where} expects {list(expected)}"))
-        if dtype is None and lossy(info.dtype, p.dtype):
+        dst = dest_dtype(p, dtype)
+        on_purpose = dtype is not None and info.dtype.is_floating_point and dst.is_floating_point
+        if not on_purpose and lossy(info.dtype, dst):  # dtype= casts floats to floats, nothing else
             out.problems.append(Problem("dtype", key, info.file, where,
-                f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(p.dtype)}: a lossy cast "
-                f"(pass dtype= to load() to cast on purpose)"))
+                f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
+                + ("(dtype= casts floating-point to floating-point only)" if dtype is not None
+                   else "(pass dtype= to load() to cast on purpose)")))
         out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, m.region))
         writes.setdefault(m.name, []).append((m.region.box(p.shape), key, info.file, m.region))
 
     out.owner = {name: name for name in params}
     for name, src, tied in _ties(groups, rules, params, writes):
+        if tied and (clash := _tie_clash(name, src, params, dtype)) is not None:
+            out.problems.append(clash)  # no tie: `name` is then reported missing on its own as well
+            continue
         out.ties.append(TieDecision(name, src, tied))
         if tied:
             out.owner[name] = src
@@ -107,7 +113,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         while out.owner[out.owner[name]] != out.owner[name]:
             out.owner[name] = out.owner[out.owner[name]]
     for name, p in params.items():
-        out.dtypes[name] = dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
+        out.dtypes[name] = dest_dtype(p, dtype)
         if out.owner[name] == name:
             out.problems += _coverage(name, p, writes.get(name, []), mapper)
     return out
@@ -145,6 +151,24 @@ def _ties(groups, rules: Rules, params, writes):
             yield t.param, t.source, True
 
 
+def dest_dtype(p: ParamInfo, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is allocated with: load(dtype=) applies to floating-point parameters only."""
+    return dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
+
+
+def _tie_clash(name: str, src: str, params: dict[str, ParamInfo], dtype: torch.dtype | None) -> Problem | None:
+    """A tie needs one tensor that fits both parameters: the same shape and the same dtype."""
+    a, b = params[name], params[src]
+    if a.shape != b.shape:
+        return Problem("shape", None, None, name, f"{name} has shape {list(a.shape)} but {src}, which it would be "
+                                                  f"tied to, has shape {list(b.shape)}: they cannot share one tensor")
+    da, db = dest_dtype(a, dtype), dest_dtype(b, dtype)
+    if da != db:
+        return Problem("dtype", None, None, name, f"{name} is {_dt(da)} but {src}, which it would be tied to, "
+                                                  f"is {_dt(db)}: they cannot share one tensor")
+    return None
+
+
 def _coverage(name: str, p: ParamInfo, writes: list, mapper: Mapper) -> list[Problem]:
     problems = []
     boxes = [w[0] for w in writes]
@@ -164,9 +188,7 @@ def _coverage(name: str, p: ParamInfo, writes: list, mapper: Mapper) -> list[Pro
         if gap:
             where = f"{name}{region}"
             text = f"{key} -> {where}" if key != where else f"{key}: the checkpoint has no tensor for it"
-            total = 1
-            for a, b in unit:
-                total *= b - a
+            total = volume(unit)
             if gap < total:
                 text += f" (partly written: {gap} of {total} elements missing)"
             problems.append(Problem("missing", key, None, where, text))

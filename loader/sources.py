@@ -292,24 +292,45 @@ def _open_bin(directory: Path, allow_bin: bool, file: Path | None) -> BinSource:
 
 
 def _read_header(f: Path, directory: Path) -> dict[str, tuple]:
-    """key -> (dtype, shape, begin, end), byte offsets absolute in the file."""
+    """key -> (dtype, shape, begin, end), byte offsets absolute in the file; a malformed header is a
+    SourceError naming the file and the key."""
+    name = _rel(f, directory)
+    size = f.stat().st_size
     with open(f, "rb") as fh:
         raw = fh.read(8)
         if len(raw) < 8:
-            raise SourceError([], f"{_rel(f, directory)}: not a safetensors file (shorter than its header)")
+            raise SourceError([], f"{name}: not a safetensors file (shorter than its header)")
         (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise SourceError([], f"{name}: the header claims {n} bytes but the file holds {size}: not a "
+                                  f"safetensors file, or truncated")
         try:
             header = json.loads(fh.read(n))
         except ValueError as e:
-            raise SourceError([], f"{_rel(f, directory)}: unreadable safetensors header: {e}") from None
+            raise SourceError([], f"{name}: unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise SourceError([], f"{name}: the safetensors header is a JSON {type(header).__name__}, not an object")
     out = {}
     for key, h in header.items():
         if key == "__metadata__":
             continue
+        bad = lambda why: SourceError([Problem("file", key, name, None, f"{key} in {name}: {why}")],  # noqa: E731
+                                      f"{name}: malformed safetensors header")
+        if not isinstance(h, dict):
+            raise bad(f"the header entry is a JSON {type(h).__name__}, not an object")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in h:
+                raise bad(f"the header entry has no {field!r}")
         if h["dtype"] not in SAFETENSORS_DTYPES:
-            raise SourceError([], f"{_rel(f, directory)}: {key} has dtype {h['dtype']}, which torch cannot hold")
-        begin, end = h["data_offsets"]
-        out[key] = (SAFETENSORS_DTYPES[h["dtype"]], tuple(h["shape"]), 8 + n + begin, 8 + n + end)
+            raise bad(f"dtype {h['dtype']!r}, which torch cannot hold")
+        shape, offsets = h["shape"], h["data_offsets"]
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):  # (not checked against the file size: a plan reads headers)
+            raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        out[key] = (SAFETENSORS_DTYPES[h["dtype"]], tuple(shape), 8 + n + begin, 8 + n + end)
     return out
 
 

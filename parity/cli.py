@@ -3,12 +3,15 @@
     zoo parity MODEL [--prompts FILE] [--scenario NAME ...] [--tol key=value ...] [--json PATH] [--html PATH]
     zoo parity --tiny CONFIG      (a directory with config.json, or the file: shrunk, random weights)
 
-Exit status: 0 every scenario passes, 1 a divergence, 2 a usage or loading error.
+Exit status: 0 every scenario passes, 1 a divergence (or the zoo's strict loader refuses the checkpoint),
+2 a usage or loading error (checked before the run: an output path that cannot be written).
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
+from pathlib import Path
 
 from parity import SCENARIOS
 from parity.tolerances import BASE, parse_overrides  # light imports only: `zoo` loads this module for every command
@@ -37,8 +40,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def unwritable(path: str) -> str | None:
+    """Why `path` cannot be written as a new or replaced file, or None when it can."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        return "is a directory"
+    if not parent.is_dir():
+        return f"its directory {parent} does not exist"
+    if p.exists() and not os.access(p, os.W_OK):
+        return "is not writable"
+    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"its directory {parent} is not writable"
+    return None
+
+
 def run(args) -> int:
-    from parity.harness import ParityUsageError, run_parity
+    from parity.harness import ParityUsageError, ZooLoadFailure, run_parity
     from parity.html import write_html
     from parity.report import format_summary, write_json
 
@@ -50,6 +68,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"zoo parity: {e}", file=sys.stderr)
         return 2
+    for flag, path in (("--json", args.json), ("--html", args.html)):
+        why = unwritable(path) if path else None
+        if why:
+            print(f"zoo parity: {flag} {path}: {why}", file=sys.stderr)
+            return 2
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     tmp = None
     try:
@@ -74,6 +97,10 @@ def run(args) -> int:
     except ParityUsageError as e:
         print(f"zoo parity: {e}", file=sys.stderr)
         return 2
+    except ZooLoadFailure as e:  # a finding: the checkpoint's content fails the strict loader
+        print(f"zoo parity: {e.model}: the zoo's strict loader refuses the checkpoint:\n{e.error}\n\n"
+              f"DIVERGES: the zoo model does not load (no scenario ran)")
+        return 1
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -52,7 +52,16 @@ SCENARIO_HINTS = {
 
 
 class ParityUsageError(Exception):
-    """Bad input from the user or an unloadable model (exit status 2)."""
+    """Bad input from the user or a model that cannot be read at all (exit status 2)."""
+
+
+class ZooLoadFailure(Exception):
+    """The zoo's strict loader refused the checkpoint's content: a finding (exit status 1), not a usage
+    error; `error` is the loader.LoadError with every problem."""
+
+    def __init__(self, model, error):
+        self.model, self.error = model, error
+        super().__init__(f"the zoo does not load {model} strictly: {error}")
 
 
 @dataclass
@@ -185,13 +194,22 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
 
+    from loader import LoadError
+    from zoo.build import exit_status
+
     t0 = time.perf_counter()
-    try:  # any failure to load either side is an environment / usage error, named
+    try:  # a failure to load either side is an environment / usage error, named; but a strictness
+        # failure of the zoo's loader on the checkpoint's content is a finding
         say(f"loading the reference (transformers, float32, eager) from {files.path}")
         kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
         ref_model = load_reference(files.directory if files.is_gguf else files.path, device=device, **kw)
         say("building the zoo model (build_model, float32)")
         zoo = ZooSide(files.path, device=device, config=config)
+    except LoadError as e:
+        if "ref_model" in locals() and exit_status(e) == 1:
+            raise ZooLoadFailure(model, e) from e
+        side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
+        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
     except Exception as e:
         side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
         raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e

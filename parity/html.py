@@ -22,10 +22,12 @@ def _heat(sd: dict) -> dict:
         row = []
         for p in range(width):
             vals = [r[p] for r in tap["rel_l2"] if p < len(r) and r[p] is not None]
-            row.append(max(vals) if vals else None)
+            nums = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+            row.append("inf" if len(nums) < len(vals) else max(nums) if nums else None)  # "inf": non-finite
         rows.append(row)
         names.append(short(tap["name"]))
-    kl = [v for r in sd.get("logits", {}).get("logits", {}).get("kl", []) for v in r if v is not None]
+    kl = [v for r in sd.get("logits", {}).get("logits", {}).get("kl", []) for v in r
+          if isinstance(v, (int, float)) and math.isfinite(v)]
     return {"taps": names, "rows": rows, "width": width, "kl": kl, "tol": sd["tolerances"].get("rel_l2", 1e-4)}
 
 
@@ -56,6 +58,7 @@ svg text {{ font: 10px monospace; fill: #333; }}
   }};
   const color = (v, tol) => {{
     if (v === null) return "#eee";
+    if (typeof v === "string") return "#000";  // non-finite (NaN/Inf produced by the model)
     const t = Math.min(1, Math.max(0, (Math.log10(Math.max(v, 1e-10)) + 10) / 10));  // 1e-10 .. 1
     const hue = v > tol ? 0 : 120 - 80 * t;
     return "hsl(" + hue + ",70%," + (v > tol ? 45 : 75 - 30 * t) + "%)";
@@ -74,7 +77,8 @@ svg text {{ font: 10px monospace; fill: #333; }}
       row.forEach((v, p) => {{
         const r = el("rect", {{x: left + p * cw, y: top + i * ch, width: cw - 1, height: ch - 1,
                              fill: color(v, s.tol), class: "cell", "data-tap": s.taps[i], "data-pos": p}}, svg);
-        el("title", {{}}, r).textContent = s.taps[i] + " @ " + p + ": " + (v === null ? "not compared" : v.toExponential(2));
+        const shown = v === null ? "not compared" : typeof v === "string" ? "non-finite" : v.toExponential(2);
+        el("title", {{}}, r).textContent = s.taps[i] + " @ " + p + ": " + shown;
         cells++;
       }});
     }});
@@ -153,7 +157,7 @@ def render(result: ParityResult) -> str:
     info = (f"family {result.family}; transformers {meta['versions']['transformers']}, torch "
             f"{meta['versions']['torch']}, zoo {meta['versions']['zoo']}; {meta['dtype']} (metrics in "
             f"{meta['metrics_dtype']}); seed {meta['seed']}; checkpoint sha256 {meta['checkpoint_sha256'][:16]}...")
-    payload = json.dumps(data).replace("</", "<\\/")  # never closes the script element early
+    payload = json.dumps(data, allow_nan=False).replace("</", "<\\/")  # never closes the script element early
     return PAGE.format(title=html.escape(f"{result.architecture} ({result.model})"),
                        cls="pass" if result.passed else "fail", verdict="PASS" if result.passed else "DIVERGES",
                        meta=html.escape(info), sections="\n".join(sections), data=payload)

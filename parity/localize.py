@@ -70,6 +70,7 @@ class Localization:
 
 
 def _rel(ref_rows: list[torch.Tensor], got_rows: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per request [L_r] relative L2 at the positions of `masks` (NaN elsewhere, inf where a row is non-finite)."""
     out = []
     for a, b, m in zip(ref_rows, got_rows, masks):
         rel = torch.full((m.shape[0],), float("nan"), dtype=torch.float64)
@@ -80,9 +81,18 @@ def _rel(ref_rows: list[torch.Tensor], got_rows: list[torch.Tensor], masks: list
 
 
 def _max(rows: list[torch.Tensor]) -> float:
+    """The largest value over the positions compared (the NaN of the positions outside the masks left out)."""
     vals = [r[~r.isnan()] for r in rows]
     vals = [v for v in vals if v.numel()]
     return torch.cat(vals).max().item() if vals else float("nan")
+
+
+def _masks(masks: list[torch.Tensor], *traces_and_taps) -> list[torch.Tensor]:
+    """`masks` narrowed to the positions where each (trace, tap) given has a row."""
+    out = list(masks)
+    for trace, tap in traces_and_taps:
+        out = [m & p for m, p in zip(out, trace.mask(tap))]
+    return out
 
 
 def _block_inputs(order: list[str]) -> dict[str, str]:
@@ -112,17 +122,19 @@ def localize(ref_model, ref_run: RefRun, ref: Trace, zoo: Trace, masks: list[tor
         if name not in zoo.rows or role not in ("embed", "layer", "final_norm", "logits"):
             continue
         src = inputs.get(name, prev)
-        total_rows = _rel(ref.rows[name], zoo.rows[name], masks)
-        inherited = _max(_rel(ref.rows[src], zoo.rows[src], masks)) if src in zoo.rows else 0.0
+        here = _masks(masks, (ref, name), (zoo, name))  # where both sides have this tap
+        total_rows = _rel(ref.rows[name], zoo.rows[name], here)
+        inherited = _max(_rel(ref.rows[src], zoo.rows[src], _masks(masks, (ref, src), (zoo, src)))) \
+            if src in zoo.rows else 0.0
         replayed = None
         if role == "layer" and replay and src in zoo.rows:
             replayed, chosen = replay_layer(ref_model, ref_run, name, _zoo_input(zoo, ref, src))
             replayed = {**replayed, **{EXPERTS + t: v for t, v in chosen.items()}}
             inner = [t for t in ref.order if t.startswith(name + ".") and t in zoo.rows and t in replayed]  # ordered
-            local_rows = {t: _rel(replayed[t], zoo.rows[t], masks) for t in inner + [name]}
+            local_rows = {t: _rel(replayed[t], zoo.rows[t], _masks(here, (zoo, t))) for t in inner + [name]}
         elif role in ("final_norm", "logits") and replay and src in zoo.rows:
             replayed = {name: _head(ref_model, modules, name, _zoo_input(zoo, ref, src), config)}
-            local_rows = {name: _rel(replayed[name], zoo.rows[name], masks)}
+            local_rows = {name: _rel(replayed[name], zoo.rows[name], here)}
         elif role == "embed":
             local_rows = {name: total_rows}  # nothing feeds it: all its error is its own
         else:  # no replay: only the totals
@@ -226,6 +238,11 @@ def _hints(ref_model, culprit, blocks, ref: Trace, zoo: Trace, masks, tol, confi
         hints[:0] = _norm_and_residual_hints(ref_model, tap, role, layer, block, ref, zoo, masks, tol, replayed)
     if role in ("mlp", "router") and replayed is not None:
         hints[:0] = _routing_hints(tap if role == "mlp" else tap.rsplit(".", 1)[0], block, zoo, masks, replayed)
+    nonfinite = [int(torch.nonzero(r == float("inf")).flatten()[0]) for r in rows if (r == float("inf")).any()]
+    if nonfinite:
+        hints.insert(0, f"{short(tap)} at position {min(nonfinite)}: non-finite values (NaN/Inf) first appear here, "
+                        f"on a finite input: a read of a cache slot never written (slot_mapping / block_tables), "
+                        f"uninitialised memory (torch.empty), a division by zero or an overflow")
     return hints
 
 

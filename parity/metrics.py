@@ -11,6 +11,10 @@ difference in probability of the reference's top token, per row.
 Relative L2 is ||got - ref|| / ||ref||; a reference row of norm 0 uses ||got|| alone (0 when both are 0).
 Cosine is dot / (|ref| |got|) in float64; a value above 1 + 1e-12 means the metric itself is broken and
 raises, tiny float64 overshoots are clipped back to 1. Two zero rows have cosine 1 (they agree).
+
+A row holding a NaN or Inf on either side is a failure, never a gap: max abs and relative L2 are inf,
+cosine -1; for logits KL is inf, top-1 and top-5 agree on nothing, p_diff is 1 and the margin inf
+(decisive). Positions that were not computed are left out by the caller's masks, before any metric.
 """
 from __future__ import annotations
 
@@ -42,6 +46,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], int(torch.tensor(x.shape[1:]).prod()))  # [P, D]
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """[P] bool: every value of the row is finite."""
+    return torch.isfinite(x).all(dim=1) if x.shape[1] else torch.ones(x.shape[0], dtype=torch.bool)
+
+
 def compare_rows(ref: torch.Tensor, got: torch.Tensor, *, name: str = "tap") -> RowMetrics:
     """Row-wise metrics of `got` against `ref`; both [P, ...] with the same shape."""
     if ref.shape != got.shape:
@@ -54,10 +63,12 @@ def compare_rows(ref: torch.Tensor, got: torch.Tensor, *, name: str = "tap") -> 
     denom = nr * ng
     cos = torch.where(denom > 0, (r * g).sum(dim=1) / denom.clamp_min(torch.finfo(torch.float64).tiny),
                       torch.where((nr == 0) & (ng == 0), 1.0, 0.0).to(torch.float64))
-    worst = cos.abs().max().item() if cos.numel() else 0.0
+    bad = ~(_finite(r) & _finite(g))  # [P]
+    worst = cos[~bad].abs().max().item() if (~bad).any() else 0.0
     if worst > 1 + COSINE_SLACK:
         raise ArithmeticError(f"{name}: cosine {worst!r} > 1, the metric is broken")
-    return RowMetrics(max_abs, rel, cos.clamp(-1.0, 1.0))
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    return RowMetrics(max_abs.where(~bad, inf), rel.where(~bad, inf), cos.clamp(-1.0, 1.0).where(~bad, -1.0))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, *, name: str = "logits") -> LogitMetrics:
@@ -75,7 +86,10 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, *, name: str = "logits"
     p_diff = (pr.gather(1, t) - lg.exp().gather(1, t)).abs().squeeze(1)
     two = r.topk(min(2, r.shape[1]), dim=1).values
     margin = two[:, 0] - two[:, -1]
-    return LogitMetrics(kl, top_r[:, 0] == top_g[:, 0], overlap, p_diff, margin)
+    bad = ~(_finite(r) & _finite(g))  # [P]
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    return LogitMetrics(kl.where(~bad, inf), (top_r[:, 0] == top_g[:, 0]) & ~bad, overlap.where(~bad, 0.0),
+                        p_diff.where(~bad, 1.0), margin.where(~bad, inf))
 
 
 def compare_experts(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
@@ -90,4 +104,6 @@ def percentile(x: torch.Tensor, q: float) -> float:
     """The q-th percentile (0..100) of a 1-D tensor, float64, linear interpolation; 0.0 when empty."""
     if x.numel() == 0:
         return 0.0
-    return torch.quantile(x.to(torch.float64), q / 100.0).item()
+    x = x.to(torch.float64)
+    v = torch.quantile(x, q / 100.0).item()
+    return torch.quantile(x, q / 100.0, interpolation="higher").item() if v != v else v  # inf * 0 weight -> NaN

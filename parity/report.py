@@ -1,6 +1,7 @@
 """Reports of a ParityResult: the terminal summary and the machine-readable JSON document.
 
-JSON layout (every number float64 rounded to 6 significant digits; null = position not compared):
+JSON layout (every number float64 rounded to 6 significant digits; null = position not compared;
+the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/Inf at a compared position):
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
      dtype, seed, ...}, "prompts": [[ids]], "prompt_texts", "hints",
      "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",
@@ -69,9 +70,9 @@ def to_json(result: ParityResult) -> dict:
 
 
 def _strict(x):
-    """NaN / inf -> None everywhere, so the file is valid JSON (json.dump would write NaN)."""
+    """NaN -> None (not compared), +-inf -> "inf" / "-inf" (a failure), so the file is valid JSON."""
     if isinstance(x, float):
-        return x if math.isfinite(x) else None
+        return x if math.isfinite(x) else None if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
         return {str(k): _strict(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

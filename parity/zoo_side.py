@@ -106,13 +106,17 @@ class ZooSide:
         for step, ids in zip(cap.steps, order_of_steps):
             step.taps[LOGITS] = step.output  # [T, V]
             idx = step.meta["logits_indices"]
+            present = {}
             if idx.numel():
                 reqs, logits = next(sampled_iter)
-                full = torch.full_like(step.output, float("nan"))
-                full[idx] = logits  # [T, V], NaN where the runtime did not sample
+                full = torch.zeros_like(step.output)
+                full[idx] = logits  # [T, V]; the other rows are absent (present[SAMPLED] False)
                 step.taps[SAMPLED] = full
+                present[SAMPLED] = torch.zeros(full.shape[0], dtype=torch.bool)
+                present[SAMPLED][idx] = True  # [T]
             steps.append({"requests": [int(i) for i in ids], "query_start_loc": step.meta["qsl"],
-                          "positions": step.meta["positions"], "taps": step.taps, "experts": step.experts})
+                          "positions": step.meta["positions"], "taps": step.taps, "experts": step.experts,
+                          "present": present})
         # the tokens each request had computed: prompt + outputs, but the last sampled token never ran
         tokens = [requests[str(r)].all_token_ids[:-1] for r in range(len(prompts))]
         trace = from_steps(steps, cap.order + [LOGITS, SAMPLED], tokens)

@@ -73,18 +73,8 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k, batch)
-        o = self.attn(q, k, v, self.kv_cache(batch), batch)  # [T, Hq*D]
+        o = self.attn(q, k, v, batch.cache_for(self.prefix), batch)  # [T, Hq*D]; cache [NB, BS, 2, KV, D]
         return self.o_proj(o)  # [T, H]
-
-    def kv_cache(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """This layer's [NB, BS, 2, KV, D] cache; None when the batch carries no caches at all."""
-        if not batch.kv_caches:
-            return None
-        cache = batch.kv_caches.get(self.prefix)
-        if cache is None:
-            raise KeyError(f"batch.kv_caches has no cache for {self.prefix!r} (it has {len(batch.kv_caches)} "
-                           f"others); allocate one for every module with cache_spec()")
-        return cache
 
 
 class LlamaDecoderLayer(nn.Module):

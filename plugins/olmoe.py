@@ -31,7 +31,7 @@ class OlmoeAttention(LlamaAttention):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         q, k = self.rotary_emb(positions, q, k, batch)
-        o = self.attn(q, k, v, self.kv_cache(batch), batch)  # [T, Hq*D]
+        o = self.attn(q, k, v, batch.cache_for(self.prefix), batch)  # [T, Hq*D]
         return self.o_proj(o)  # [T, H]
 
 

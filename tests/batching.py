@@ -3,6 +3,9 @@
     kv = allocate_kv(model, num_blocks=64, block_size=4)
     ids, batch = make_batch([(prompt_a, 0), (prompt_b, 0)], kv)      # (tokens so far, already computed)
     logits = model.compute_logits(model(ids, batch.positions, batch)[batch.logits_indices])
+    got = run_schedule(model, requests, [[(0, 7), (1, 13)], [(0, 1), (1, 1)]])   # per request, per chunk
+    want = reference_chunks(hf_model, requests[0], [7, 8])                       # transformers, same chunks
+    assert_close(got[0][0], want[0], "request 0 prefill")
 
 Request i owns the blocks i * blocks_per_seq ... (contiguous), or a shuffled set of blocks with
 `shuffle=True`; `req_ids` name the requests of a step, so a request keeps its blocks across steps.
@@ -14,6 +17,8 @@ import random
 import torch
 
 from zoo.runtime.batch import ForwardBatch
+
+ATOL = 1e-4  # max |zoo - transformers| of float32 logits
 
 
 def allocate_kv(model: torch.nn.Module, *, num_blocks: int = 64, block_size: int = 4, device="cpu",
@@ -83,3 +88,40 @@ def run_step(model, seqs, kv_caches, **kw) -> torch.Tensor:
     with torch.no_grad():
         hidden = model(ids, batch.positions, batch)  # [T, H]
         return model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+
+
+def random_prompts(lengths: list[int], *, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token ids in [3, vocab) (past pad / bos / eos), one list per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_schedule(model, requests: list[list[int]], steps: list[list[tuple[int, int]]], **kw):
+    """steps: [(request, new tokens), ...] per step -> per request, the logits of each of its chunks."""
+    kv = allocate_kv(model, num_blocks=64, block_size=4)
+    done = [0] * len(requests)
+    out: list[list[torch.Tensor]] = [[] for _ in requests]
+    for step in steps:
+        seqs = [(requests[r][:done[r] + n], done[r]) for r, n in step]
+        logits = run_step(model, seqs, kv, req_ids=[r for r, _ in step], **kw)  # [T, V]
+        for (r, n), rows in zip(step, logits.split([n for _, n in step])):
+            out[r].append(rows)
+            done[r] += n
+    return out
+
+
+@torch.no_grad()
+def reference_chunks(ref, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
+    """transformers' logits [n, V] for tokens[0:cuts[0]], tokens[cuts[0]:cuts[1]], ... fed through its cache."""
+    cache, start, out = None, 0, []
+    for cut in cuts:
+        o = ref(torch.tensor([tokens[start:cut]]), cache=cache, use_cache=True)
+        cache, start = o.cache, cut
+        out.append(o.logits[0])
+    return out
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = ATOL) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    assert err <= atol, f"{what}: max |zoo - transformers| = {err:.3g} > {atol} (logits up to {want.abs().max():.3g})"

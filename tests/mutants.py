@@ -84,7 +84,7 @@ class WrongGroupAttention(LlamaAttention):
         g = self.num_heads // self.num_kv_heads
         # slot s attends with KV head s // g; put query head h in a slot of KV head h % KV (the bug)
         order = sorted(range(self.num_heads), key=lambda h: (h % self.num_kv_heads, h))  # slot -> query head
-        o = self.attn(q[:, order], k, v, self.kv_cache(batch), batch)  # [T, Hq*D] in slot order
+        o = self.attn(q[:, order], k, v, batch.cache_for(self.prefix), batch)  # [T, Hq*D] in slot order
         o = o.view(-1, self.num_heads, self.head_dim)[:, torch.tensor(order).argsort()]  # back to head order
         assert g > 1, "the wrong-group mutant needs GQA (num_heads > num_kv_heads)"
         return self.o_proj(o.flatten(1))
@@ -114,6 +114,19 @@ class MissingMlpResidualLayer(LlamaDecoderLayer):
         h = self.self_attn(positions, self.input_layernorm(hidden_states), batch)
         hidden_states = hidden_states + h
         return self.mlp(self.post_attention_layernorm(hidden_states))  # the bug: + hidden_states dropped
+
+
+# -- NaN at one position: the layer output row of position NAN_POSITION multiplied by NaN ---------------
+NAN_POSITION = 5
+
+
+class NanAtOnePositionLayer(LlamaDecoderLayer):
+    def forward(self, positions, hidden_states, batch):
+        out = super().forward(positions, hidden_states, batch)  # [T, H]
+        if self.layer_idx != BUG_LAYER:
+            return out
+        poison = torch.where(positions == NAN_POSITION, float("nan"), 1.0).to(out.dtype)  # [T]
+        return out * poison[:, None]  # the bug: NaN rows, which parity once took for "not computed"
 
 
 # -- sliding window one token too wide (Mistral) ------------------------------------------------------------
@@ -233,6 +246,7 @@ GateUpSwapped = _llama(GateUpSwappedLayer)
 WrongGroup = _llama(WrongGroupLayer)
 MissingAttnResidual = _llama(MissingAttnResidualLayer)
 MissingMlpResidual = _llama(MissingMlpResidualLayer)
+NanAtOnePosition = _llama(NanAtOnePositionLayer)
 WindowOffByOne = _mistral(WindowOffByOneLayer)
 DecodeRaises = _llama(DecodeRaisesLayer)
 FeedForward = _llama(FeedForwardLayer)
@@ -248,6 +262,7 @@ MUTANTS = {
     "kv_wrong_group": ("LlamaForCausalLM", "WrongGroup"),
     "missing_attn_residual": ("LlamaForCausalLM", "MissingAttnResidual"),
     "missing_mlp_residual": ("LlamaForCausalLM", "MissingMlpResidual"),
+    "nan_at_one_position": ("LlamaForCausalLM", "NanAtOnePosition"),
     "window_off_by_one": ("MistralForCausalLM", "WindowOffByOne"),
     "moe_no_renormalize": ("MixtralForCausalLM", "MoeNoRenorm"),
     "moe_off_by_one_expert": ("MixtralForCausalLM", "MoeOffByOneExpert"),

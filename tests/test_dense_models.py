@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from batching import allocate_kv, make_batch, run_step
+from batching import (allocate_kv, assert_close, make_batch, random_prompts, reference_chunks, run_schedule,
+                      run_step)
 from tiny import load_reference, save_tiny
 from loader import LoadError
 from zoo.build import build_model
+from zoo.runtime.batch import MissingCache
 
-ATOL = 1e-4
 PROMPT = 20
 
 CASES = {
@@ -70,64 +71,34 @@ def case(request, tmp_path_factory):
     return _built[name]
 
 
-def prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, n, (length,), generator=g).tolist() for length in lengths]
-
-
-def reference_chunks(name, path, ref, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
-    """transformers' logits [n, V] for tokens[0:cuts[0]], tokens[cuts[0]:cuts[1]], ... fed through its cache."""
+def fresh(name, path, ref):
+    """The reference to feed a new sequence: a dynamic-rope model's rotary state grows with the longest
+    sequence it has seen, so that one starts afresh."""
     if CASES[name][1].get("rope_parameters", {}).get("rope_type") == "dynamic":
-        ref = load_reference(path)  # its rotary state grows with the longest sequence seen: start afresh
-    cache, start, out = None, 0, []
-    with torch.no_grad():
-        for cut in cuts:
-            o = ref(torch.tensor([tokens[start:cut]]), cache=cache, use_cache=True)
-            cache, start = o.cache, cut
-            out.append(o.logits[0])
-    return out
-
-
-def run_schedule(model, requests: list[list[int]], steps: list[list[tuple[int, int]]], **kw):
-    """steps: [(request, new tokens), ...] per step -> per request, the logits of each of its chunks."""
-    kv = allocate_kv(model, num_blocks=64, block_size=4)
-    done = [0] * len(requests)
-    out: list[list[torch.Tensor]] = [[] for _ in requests]
-    for step in steps:
-        seqs = [(requests[r][:done[r] + n], done[r]) for r, n in step]
-        logits = run_step(model, seqs, kv, req_ids=[r for r, _ in step], **kw)  # [T, V]
-        for (r, n), rows in zip(step, logits.split([n for _, n in step])):
-            out[r].append(rows)
-            done[r] += n
-    return out
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item()
-    assert err <= ATOL, f"{what}: max |zoo - transformers| = {err:.3g} > {ATOL} (logits up to {want.abs().max():.3g})"
+        return load_reference(path)
+    return ref
 
 
 def test_prefill(case):
     name, path, model, ref = case
-    [tokens] = prompts(model.config.vocab_size, [PROMPT])
+    [tokens] = random_prompts([PROMPT], vocab=model.config.vocab_size)
     [[got]] = run_schedule(model, [tokens], [[(0, PROMPT)]])
-    [want] = reference_chunks(name, path, ref, tokens, [PROMPT])
+    [want] = reference_chunks(fresh(name, path, ref), tokens, [PROMPT])
     assert_close(got, want, f"{name} prefill")
 
 
 def test_decode(case):
     name, path, model, ref = case
-    [tokens] = prompts(model.config.vocab_size, [PROMPT], seed=1)
+    [tokens] = random_prompts([PROMPT], vocab=model.config.vocab_size, seed=1)
     got = run_schedule(model, [tokens], [[(0, 12)]] + [[(0, 1)]] * (PROMPT - 12))[0]
-    want = reference_chunks(name, path, ref, tokens, list(range(12, PROMPT + 1)))
+    want = reference_chunks(fresh(name, path, ref), tokens, list(range(12, PROMPT + 1)))
     for step, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, f"{name} decode step {step} (position {12 + step - 1 if step else '0..11'})")
 
 
 def test_ragged(case):
     name, path, model, ref = case
-    requests = prompts(model.config.vocab_size, [9, 15, 21], seed=2)
+    requests = random_prompts([9, 15, 21], vocab=model.config.vocab_size, seed=2)
     steps = [
         [(0, 7), (1, 13), (2, 10)],  # ragged prefill
         [(0, 1), (2, 10), (1, 1)],  # decode, a chunk of 10 after 10 cached, decode
@@ -139,7 +110,7 @@ def test_ragged(case):
         for step in steps:
             n += dict(step)[r]
             cuts.append(n)
-        want = reference_chunks(name, path, ref, tokens, cuts)
+        want = reference_chunks(fresh(name, path, ref), tokens, cuts)
         for step, (g, w) in enumerate(zip(got[r], want)):
             assert_close(g, w, f"{name} ragged request {r} step {step}")
 
@@ -147,7 +118,7 @@ def test_ragged(case):
 def test_sampled_rows_only(case):
     """logits_indices picks each request's last token; the rows equal those of the all-rows run."""
     name, _, model, _ = case
-    requests = prompts(model.config.vocab_size, [6, 11], seed=3)
+    requests = random_prompts([6, 11], vocab=model.config.vocab_size, seed=3)
     seqs = [(t, 0) for t in requests]
     full = run_step(model, seqs, allocate_kv(model), all_logits=True)
     last = run_step(model, seqs, allocate_kv(model), all_logits=False)
@@ -158,13 +129,24 @@ def test_sampled_rows_only(case):
 def test_prompt_without_cache_equals_paged(case):
     """A batch with no KV caches at all attends within its own tokens (whole prompts)."""
     name, _, model, _ = case
-    requests = prompts(model.config.vocab_size, [8, 13], seed=4)
+    requests = random_prompts([8, 13], vocab=model.config.vocab_size, seed=4)
     seqs = [(t, 0) for t in requests]
     paged = run_step(model, seqs, allocate_kv(model))
     ids, batch = make_batch(seqs, {})
     with torch.no_grad():
         bare = model.compute_logits(model(ids, batch.positions, batch))
     assert_close(bare, paged, f"{name} without cache")
+
+
+def test_a_layer_without_its_cache_is_named(case):
+    """A batch with caches, but none for one attention layer: MissingCache (a LookupError) names the layer."""
+    name, _, model, _ = case
+    kv = allocate_kv(model)
+    layer = next(k for k in kv if k.startswith("model.layers.1."))
+    del kv[layer]
+    with pytest.raises(MissingCache, match=rf"no cache for '{layer}'"), torch.no_grad():
+        run_step(model, [(random_prompts([4], vocab=model.config.vocab_size)[0], 0)], kv)
+    assert issubclass(MissingCache, LookupError) and not issubclass(MissingCache, KeyError)
 
 
 def test_tied_head_is_one_parameter(tmp_path):
@@ -220,7 +202,7 @@ def test_bfloat16_runs_close_to_reference(tmp_path):
     """A bf16 build runs through the cache and stays near the fp32 reference (the dtype plumbing works)."""
     path = save_tiny("Gemma3ForCausalLM", tmp_path, head_dim=16, sliding_window=5, initializer_range=0.2)
     model, *_ = build_model(path, dtype=torch.bfloat16)
-    [tokens] = prompts(128, [10])
+    [tokens] = random_prompts([10], vocab=128)
     got = run_step(model, [(tokens, 0)], allocate_kv(model)).float()
     with torch.no_grad():
         want = load_reference(path)(torch.tensor([tokens])).logits[0]

@@ -28,15 +28,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: OpenMP threads only cost synchronisation (ms per op on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=list(ARCHS))
 def case(request, tmp_path_factory):
     arch = request.param

@@ -390,3 +390,72 @@ def test_experts_kept_as_a_module_list_fall_back_to_per_expert_names(tmp_path):
         == {("model.layers.0.mlp.experts.2.gate_up_proj.weight", "[rows 8:16]")}
     load(model, tmp_path, RULES)
     assert torch.equal(model.model.layers[0].mlp.experts[2].down_proj.weight, t["model.layers.0.mlp.experts.2.down_proj.weight"])
+
+
+# -- ties must fit; dtype= casts floats only ------------------------------------------------------------------
+
+class EmbedHead(nn.Module):
+    """An embedding and a head the rules tie, possibly of different shapes or dtypes."""
+
+    def __init__(self, rows=10, out=10, head_dtype=None):
+        super().__init__()
+        self.embed = nn.Embedding(rows, 4)  # [rows, 4]
+        self.head = nn.Linear(4, out, bias=False, dtype=head_dtype)  # [out, 4]
+
+
+TIE = Rules(ties=(Tie("head.weight", "embed.weight"),))
+
+
+def test_tie_of_mismatched_shapes_is_refused(tmp_path):
+    """embed [10, 4] tied to a head [12, 4]: rows 10:12 of the head would never be written."""
+    write(tmp_path, {"embed.weight": torch.randn(10, 4)})
+    with torch.device("meta"):
+        model = EmbedHead(out=12)
+    p = plan(model, tmp_path, TIE)
+    assert not p.ties and p.owner["head.weight"] == "head.weight"
+    assert [str(x) for x in p.problems] == [
+        "shape: head.weight has shape [12, 4] but embed.weight, which it would be tied to, has shape [10, 4]: "
+        "they cannot share one tensor",
+        "missing: head.weight: the checkpoint has no tensor for it"]
+    with pytest.raises(LoadError) as e:
+        load(model, tmp_path, TIE)
+    assert [x.kind for x in e.value.problems] == ["shape", "missing"] and model.head.weight.is_meta
+    with torch.device("meta"):
+        fits = EmbedHead(out=10)
+    load(fits, tmp_path, TIE)
+    assert fits.head.weight is fits.embed.weight
+
+
+def test_tie_of_mismatched_dtypes_is_refused(tmp_path):
+    write(tmp_path, {"embed.weight": torch.randn(10, 4)})
+    with torch.device("meta"):
+        model = EmbedHead(head_dtype=torch.float64)
+    with pytest.raises(LoadError) as e:
+        load(model, tmp_path, TIE)
+    assert problems_of(e)[0] == ("dtype: head.weight is float64 but embed.weight, which it would be tied to, is "
+                                 "float32: they cannot share one tensor")
+    with torch.device("meta"):
+        model = EmbedHead(head_dtype=torch.float64)
+    load(model, tmp_path, TIE, dtype=torch.bfloat16)  # both allocated bfloat16: one tensor fits both
+    assert model.head.weight is model.embed.weight and model.head.weight.dtype == torch.bfloat16
+
+
+class WithIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2, bias=False)
+        self.register_buffer("index", torch.zeros(3, dtype=torch.int32))  # persistent integer buffer
+
+
+def test_dtype_does_not_allow_lossy_integer_casts(tmp_path):
+    """dtype= is a float -> float cast on purpose; int64 [1, 2**40, 3] into an int32 buffer is still refused."""
+    write(tmp_path, {"proj.weight": torch.randn(2, 2), "index": torch.tensor([1, 2 ** 40, 3])})
+    with pytest.raises(LoadError) as e:
+        load(WithIndex(), tmp_path, dtype=torch.bfloat16)
+    assert problems_of(e) == ["dtype: index in model.safetensors is int64 but index is int32: a lossy cast "
+                              "(dtype= casts floating-point to floating-point only)"]
+    write(tmp_path, {"proj.weight": torch.randn(2, 2), "index": torch.tensor([1, 2, 3], dtype=torch.int16)})
+    model = WithIndex()
+    load(model, tmp_path, dtype=torch.bfloat16)  # int16 -> int32 widens; float32 -> bfloat16 asked for
+    assert model.index.tolist() == [1, 2, 3] and model.index.dtype == torch.int32
+    assert model.proj.weight.dtype == torch.bfloat16

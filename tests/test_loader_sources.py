@@ -3,6 +3,7 @@ single-tensor reads, and the errors for things that are not there."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 from pathlib import Path
@@ -66,6 +67,35 @@ def test_not_a_checkpoint(tmp_path):
         open_source(tmp_path / "nowhere")
     with pytest.raises(SourceError, match=f"no weights in {tmp_path}: looked for model.safetensors"):
         open_source(tmp_path)
+
+
+def write_raw_safetensors(path: Path, header) -> Path:
+    """A safetensors file by hand: 8-byte little-endian header length, the JSON header, 16 data bytes."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(16))
+    return path
+
+
+GOOD = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize("header, words", [
+    ({"w": {"shape": [2, 2], "data_offsets": [0, 16]}}, "w in model.safetensors: the header entry has no 'dtype'"),
+    ({"w": {"dtype": "F32", "shape": [2, 2]}}, "w in model.safetensors: the header entry has no 'data_offsets'"),
+    ({"w": {**GOOD, "data_offsets": [16, 0]}}, "w in model.safetensors: data_offsets [16, 0] are not [begin, end]"),
+    ({"w": {**GOOD, "data_offsets": [0]}}, "w in model.safetensors: data_offsets [0] are not [begin, end]"),
+    ({"w": {**GOOD, "shape": "2x2"}}, "w in model.safetensors: shape '2x2' is not a list"),
+    ({"w": [1, 2]}, "w in model.safetensors: the header entry is a JSON list, not an object"),
+    ({"w": {**GOOD, "dtype": "F4"}}, "w in model.safetensors: dtype 'F4', which torch cannot hold"),
+    ([GOOD], "model.safetensors: the safetensors header is a JSON list, not an object"),
+])
+def test_malformed_header_is_a_source_error_naming_file_and_key(tmp_path, header, words):
+    write_raw_safetensors(tmp_path / "model.safetensors", header)
+    with pytest.raises(SourceError) as e:
+        open_source(tmp_path)
+    assert words in str(e.value), str(e.value)
+    write_raw_safetensors(tmp_path / "model.safetensors", {"w": GOOD})  # the well-formed file opens
+    assert open_source(tmp_path).info("w").shape == (2, 2)
 
 
 def test_progress_reports_bytes(tiny_dir):

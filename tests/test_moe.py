@@ -12,7 +12,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from batching import allocate_kv, run_step
+from batching import allocate_kv, assert_close, random_prompts, reference_chunks, run_schedule, run_step
 from loader import LoadError
 from tiny import load_reference, save_tiny
 from zoo.build import build_model
@@ -20,15 +20,6 @@ from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import SparseMoeBlock, StackedExperts
 
 H, E, K = 64, 4, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: OpenMP threads only cost synchronisation on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- the layer alone, against transformers' blocks with the same weights ---------------------------------
@@ -158,7 +149,6 @@ def test_router_rejects_bad_top_k():
 
 # -- the models, read from disk through the registry and the strict loader ----------------------------
 
-ATOL = 1e-4
 CASES = {
     # every layer sparse; a window shorter than the prompt
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=E, num_experts_per_tok=K, sliding_window=6)),
@@ -188,42 +178,6 @@ def case(request, tmp_path_factory):
     return _built[name]
 
 
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
-
-
-@torch.no_grad()
-def reference_chunks(ref, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
-    """transformers' logits [n, V] for tokens[0:cuts[0]], tokens[cuts[0]:cuts[1]], ... through its cache."""
-    cache, start, out = None, 0, []
-    for cut in cuts:
-        o = ref(torch.tensor([tokens[start:cut]]), cache=cache, use_cache=True)
-        cache, start = o.cache, cut
-        out.append(o.logits[0])
-    return out
-
-
-def run_schedule(model, requests: list[list[int]], steps: list[list[tuple[int, int]]], **kw):
-    """steps: [(request, new tokens), ...] per step -> per request, the logits of each of its chunks."""
-    kv = allocate_kv(model, num_blocks=64, block_size=4)
-    done = [0] * len(requests)
-    out: list[list[torch.Tensor]] = [[] for _ in requests]
-    for step in steps:
-        seqs = [(requests[r][:done[r] + n], done[r]) for r, n in step]
-        logits = run_step(model, seqs, kv, req_ids=[r for r, _ in step], **kw)  # [T, V]
-        for (r, n), rows in zip(step, logits.split([n for _, n in step])):
-            out[r].append(rows)
-            done[r] += n
-    return out
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item()
-    assert err <= ATOL, f"{what}: max |zoo - transformers| = {err:.3g} > {ATOL} (logits up to {want.abs().max():.3g})"
-
-
 def test_sparse_layers_and_windows_follow_transformers(case):
     """The schedule of sparse / dense layers (and shared experts) is transformers'; windows are set."""
     name, _, model, ref = case
@@ -236,7 +190,7 @@ def test_sparse_layers_and_windows_follow_transformers(case):
 
 def test_prefill(case):
     name, _, model, ref = case
-    [tokens] = prompts([20])
+    [tokens] = random_prompts([20], vocab=128)
     [[got]] = run_schedule(model, [tokens], [[(0, 20)]])
     [want] = reference_chunks(ref, tokens, [20])
     assert_close(got, want, f"{name} prefill")
@@ -244,7 +198,7 @@ def test_prefill(case):
 
 def test_decode_steps(case):
     name, _, model, ref = case
-    [tokens] = prompts([20], seed=1)
+    [tokens] = random_prompts([20], vocab=128, seed=1)
     got = run_schedule(model, [tokens], [[(0, 12)]] + [[(0, 1)]] * 8)[0]
     want = reference_chunks(ref, tokens, list(range(12, 21)))
     for step, (g, w) in enumerate(zip(got, want)):
@@ -254,7 +208,7 @@ def test_decode_steps(case):
 def test_ragged_batch(case):
     """Three requests share each step (so the experts see tokens of several requests at once)."""
     name, _, model, ref = case
-    requests = prompts([9, 15, 21], seed=2)
+    requests = random_prompts([9, 15, 21], vocab=128, seed=2)
     steps = [[(0, 7), (1, 13), (2, 10)], [(0, 1), (2, 10), (1, 1)], [(2, 1), (1, 1), (0, 1)]]
     got = run_schedule(model, requests, steps, shuffle=True)
     for r, tokens in enumerate(requests):
@@ -268,7 +222,7 @@ def test_router_taps_join_by_name(case):
     """A forward hook on each `mlp.gate` sees the same router logits and the same chosen experts as the
     hook on transformers' module of the same name; every expert of every sparse layer gets tokens."""
     name, _, model, ref = case
-    [tokens] = prompts([20], seed=5)
+    [tokens] = random_prompts([20], vocab=128, seed=5)
     taps = {"zoo": {}, "ref": {}}
     hooks = [m.register_forward_hook(lambda m, i, o, n=n, side=side: taps[side].__setitem__(n, o))
              for side, root in (("zoo", model), ("ref", ref)) for n, m in root.named_modules()
@@ -292,7 +246,7 @@ def test_greedy_generation_matches_transformers(case):
     from zoo import LLM, SamplingParams
 
     name, path, _, ref = case
-    batch = prompts([19, 7, 3], seed=6)
+    batch = random_prompts([19, 7, 3], vocab=128, seed=6)
     ref.generation_config.eos_token_id = None  # 32 tokens on both sides, whatever comes out
     llm = LLM(str(path), block_size=4)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
@@ -395,7 +349,7 @@ def test_bfloat16_runs_close_to_transformers_bfloat16(name, tmp_path):
     path = save_tiny(arch, tmp_path, initializer_range=0.2, **overrides)
     model, *_ = build_model(path, dtype=torch.bfloat16)
     gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
-    [tokens] = prompts([10], seed=7)
+    [tokens] = random_prompts([10], vocab=128, seed=7)
     weights = []
     hook = gate.register_forward_hook(lambda m, i, o: weights.append(o[1]))
     got = run_step(model, [(tokens, 0)], allocate_kv(model)).float()

@@ -9,12 +9,15 @@ import subprocess
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from parity import SCENARIOS, metrics
 from parity.align import from_padded, from_steps
+from parity.compare import compare, first_divergence, verdict
 from parity.harness import run_parity
 from parity.reference import load_reference, run_reference
-from parity.taps import LOGITS
+from parity.taps import LOGITS, SAMPLED
+from parity.tolerances import BASE
 from parity.tiny import save_tiny_checkpoint, shrink_dict
 from registry import get_registry
 from mutants import planted
@@ -40,15 +43,6 @@ TINY = {
     "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
     "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine are 10x faster on one thread; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +102,43 @@ def test_flattened_steps_land_at_their_request_and_position():
     assert trace.rows["h"][0].flatten().tolist() == [0.0, 1.0]
     assert trace.rows["h"][1].flatten().tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
     assert all(h.all() for h in trace.have)
+
+
+def test_nan_rows_are_failures_and_absent_rows_are_masks():
+    """A NaN the zoo produced is compared (inf / -1 / inf KL), a row it never produced is not: SAMPLED holds
+    only the rows the runtime sampled, and `compared` counts only positions really compared."""
+    tokens = [[1, 2, 3], [4, 5]]
+    hidden = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2) + 1  # [B, S, H]
+    logits = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))  # [B, S, V]
+    ref = from_padded([([0, 1], 3, {"h": hidden, LOGITS: logits}, {})], ["h", LOGITS], tokens)
+    got_h = torch.cat([hidden[0], hidden[1, :2]])  # [T=5, H] flattened
+    got_h[1] = float("nan")  # request 0, position 1
+    got_logits = torch.cat([logits[0], logits[1, :2]])  # [T, V]
+    sampled = got_logits.clone()
+    sampled[4] = float("nan")  # request 1's sampled row
+    step = {"requests": [0, 1], "query_start_loc": [0, 3, 5], "positions": torch.tensor([0, 1, 2, 0, 1]),
+            "taps": {"h": got_h, LOGITS: got_logits, SAMPLED: sampled},
+            "present": {SAMPLED: torch.tensor([False, False, True, False, True])}}
+    got = from_steps([step], ["h", LOGITS, SAMPLED], tokens)
+    assert [m.tolist() for m in got.mask(SAMPLED)] == [[False, False, True], [False, True]]
+    cmp = compare(ref, got)
+    [h] = cmp.taps
+    assert h.rel_l2[0][1] == float("inf") and h.cosine[0][1] == -1.0 and h.max_abs[0][1] == float("inf")
+    assert h.worst()["rel_l2"] == float("inf") and h.worst()["cosine"] == -1.0
+    assert [c.tolist() for c in cmp.compared] == [[True] * 3, [True] * 2]
+    s = cmp.logit_taps[SAMPLED]
+    assert [m.tolist() for m in s.mask] == [[False, False, True], [False, True]]
+    assert s.summary(BASE)["positions"] == 2 and s.summary(BASE)["kl_max"] == float("inf")
+    assert cmp.logits.summary(BASE)["kl_max"] == 0.0  # the full logits match everywhere
+    fails = verdict(cmp, BASE)
+    assert any(f.startswith("h: rel_l2 inf") for f in fails) and any(f.startswith(SAMPLED) for f in fails)
+    first = first_divergence(cmp, BASE)
+    assert (first["tap"], first["request"], first["position"]) == ("h", 0, 1)
+    # a tap the zoo left out at a position it computed is a gap, not a pass
+    step2 = {**step, "taps": {"h": torch.cat([hidden[0], hidden[1, :2]]), LOGITS: got_logits},
+             "present": {"h": torch.tensor([True, True, True, False, True])}}
+    gap = compare(ref, from_steps([step2], ["h", LOGITS], tokens))
+    assert gap.gaps == {"h": 1} and any("h: no row at 1 position" in f for f in verdict(gap, BASE))
 
 
 def test_padded_reference_equals_one_prompt_at_a_time(llama):
@@ -206,6 +237,27 @@ def test_cli_passes_and_writes_json(llama, tmp_path, capsys):
 def test_cli_usage_errors_exit_2(llama, argv, message, capsys):
     assert zoo_main([a.format(llama=llama) for a in argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--html"])
+def test_unwritable_report_path_exits_2_before_the_run(llama, tmp_path, flag, capsys):
+    for bad, why in ((tmp_path / "no-such-dir" / "report", "does not exist"), (tmp_path, "is a directory")):
+        assert zoo_main(["parity", str(llama), flag, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"zoo parity: {flag} {bad}: " in err and why in err, err
+        assert "loading the reference" not in err and "Traceback" not in err  # nothing ran
+
+
+def test_a_checkpoint_the_zoo_does_not_load_is_a_finding(llama, tmp_path, capsys):
+    """A missing tensor: transformers loads it anyway (random init), the zoo's strict loader refuses: exit 1."""
+    broken = shutil.copytree(llama, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.o_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    assert zoo_main(["parity", str(broken), "--scenario", "prefill", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "the zoo's strict loader refuses the checkpoint" in out
+    assert "missing: model.layers.1.self_attn.o_proj.weight" in out and "DIVERGES" in out
 
 
 def test_text_prompts_need_a_tokenizer(llama, tmp_path, capsys):

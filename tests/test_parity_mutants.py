@@ -3,9 +3,8 @@ parity fail, and the report names the right layer, sub-block and first position,
 from __future__ import annotations
 
 import pytest
-import torch
 
-from mutants import BUG_LAYER, MUTANTS, planted
+from mutants import BUG_LAYER, MUTANTS, NAN_POSITION, planted
 from parity.harness import run_parity
 from registry import get_registry
 from tiny import save_tiny
@@ -21,20 +20,14 @@ EXPECTED = {
     "kv_wrong_group": (f"{L}.self_attn", 0, "KV head -> query group"),
     "missing_attn_residual": (f"{L}.post_attention_layernorm", 0, "residual add after attention is missing"),
     "missing_mlp_residual": (L, 0, "residual add after the MLP is missing"),
+    # NaN rows once read as "position not produced": now a failure at that very layer and position
+    "nan_at_one_position": (L, NAN_POSITION, f"L{BUG_LAYER} at position {NAN_POSITION}: non-finite values"),
     "window_off_by_one": (f"{L}.self_attn", WINDOW, f"divergence starts at the sliding window ({WINDOW} tokens)"),
     "moe_no_renormalize": (f"{L}.mlp", 0, "same router logits and experts: the expert weights"),
     # the router's logits are right, its chosen experts are not: the router tap is the first to diverge,
     # and replaying the layer shows the logits right and the MoE block wrong
     "moe_off_by_one_expert": (f"{L}.mlp.gate", 0, "same router logits but other experts chosen"),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +69,20 @@ def test_planted_bug_is_found_and_named(checkpoints, name):
     assert blocks["model.layers.0"].local < 1e-4 and blocks[L].local > 1e-3  # layer 0 adds nothing, layer 1 does
     assert blocks[L].inherited < 1e-4  # layer 1's input is right: the error is its own
     assert any(hint in h for h in s.localization.hints), s.localization.hints
+
+
+def test_nan_output_fails_with_every_position_compared(checkpoints):
+    """The NaN rows are compared (inf error, cosine -1), not skipped; every computed position counts."""
+    with planted("nan_at_one_position"):
+        result = run_parity(checkpoints["LlamaForCausalLM"], scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    first = s.first_divergence
+    assert first["rel_l2"] == float("inf") and first["cosine"] == -1.0
+    cmp = s.comparison
+    assert [int(c.sum()) for c in cmp.compared] == s.lengths  # the NaN positions were compared
+    logits = cmp.logits.summary(s.tol)
+    assert logits["kl_max"] == logits["kl_p99"] == float("inf") and logits["positions"] == sum(s.lengths)
+    assert any(f.startswith(f"{L}: rel_l2 inf") for f in s.failures), s.failures
 
 
 def test_cli_exits_1_and_names_the_layer(checkpoints, capsys):

@@ -10,6 +10,7 @@ import torch
 
 import loader
 from registry import get_registry
+from zoo.runtime.model_files import ConfigError
 
 
 def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None):
@@ -18,15 +19,31 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     `path_or_source` is a local directory in the Hugging Face layout, a hub id, or a `loader.Source`;
     `config` (a transformers PretrainedConfig) replaces the checkpoint's config.json when given.
     """
-    source = loader.open_source(path_or_source) if isinstance(path_or_source, (str, Path)) else path_or_source
+    # not strict here: an index that disagrees with its shards is reported by load() with every other problem
+    source = loader.open_source(path_or_source, strict=False) if isinstance(path_or_source, (str, Path)) \
+        else path_or_source
     if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(source.directory))
+        try:
+            config = AutoConfig.from_pretrained(str(source.directory))
+        except ValueError as e:
+            raise ConfigError(f"{source.directory}: the config cannot be read: {str(e).strip().splitlines()[0]}") from e
     spec = get_registry().resolve(config)
     if spec.validate is not None:
-        spec.validate(config)
+        try:
+            spec.validate(config)
+        except ValueError as e:
+            raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
     with torch.device("meta"):
         model = spec.model_class()(config)
     report = loader.load(model, source, spec.rules, dtype=dtype, device=device)
     return model.eval(), config, spec, report
+
+
+def exit_status(error: loader.LoadError) -> int:
+    """The command-line status of a loader error: 1 (a finding) when it carries problems with the
+    checkpoint's content (missing / unexpected / mis-shaped tensors, an index that disagrees with its
+    shards, a malformed header entry), 2 when there is no checkpoint to judge (nothing at the path,
+    refused pickles, not a checkpoint at all)."""
+    return 1 if error.problems else 2

@@ -25,10 +25,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from zoo.build import exit_status
+
     try:
         source = open_source(args.model, allow_bin=args.allow_bin, revision=args.revision, strict=False)
         model, rules, what = _build(source, args.transformers)
-    except (LoadError, OSError, ValueError, LookupError, ImportError) as e:
+    except LoadError as e:  # with problems (a malformed header entry): a finding; else nothing to inspect
+        print(f"zoo inspect: {e}")
+        return exit_status(e)
+    except (OSError, ValueError, LookupError, ImportError) as e:
         print(f"zoo inspect: {e}")
         return 2
     p = plan(model, source, rules)

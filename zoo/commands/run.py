@@ -90,7 +90,11 @@ def run(args) -> int:
 
     if args.prompt is not None or not sys.stdin.isatty():
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-        _generate(llm, prompt, params, chat, history)
+        try:
+            ids = _fit(llm, prompt, chat, history)
+        except PromptTooLong as e:
+            return _fail(str(e), 2)
+        _generate(llm, ids, params)
         return 0
     print(f"zoo: chatting with {llm.files.name} ({'chat' if chat else 'completion'} mode); "
           f"empty line or Ctrl-D to quit", file=sys.stderr)
@@ -102,39 +106,71 @@ def run(args) -> int:
             return 0
         if not prompt.strip():
             return 0
-        reply = _generate(llm, prompt, params, chat, history)
+        try:
+            ids = _fit(llm, prompt, chat, history)
+        except PromptTooLong as e:
+            print(f"zoo run: error: {e}; try a shorter one", file=sys.stderr)
+            continue
+        reply = _generate(llm, ids, params)
         if chat:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
 
 
+class PromptTooLong(ValueError):
+    """The prompt (with the system message) does not fit the model's max_model_len on its own."""
+
+
+def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
+    """Token ids for the next turn. In chat mode, the oldest turns of `history` (after any system message)
+    are dropped, in place, until the prompt leaves room to generate within max_model_len."""
+    limit = llm.engine.max_model_len  # a prompt must be shorter than this (one token at least to generate)
+    if not chat:
+        ids = llm.tokenizer.encode(prompt)
+    else:
+        first = 1 if history and history[0]["role"] == "system" else 0
+        dropped = 0
+        while True:
+            ids = llm.apply_chat_template(history + [{"role": "user", "content": prompt}])
+            if len(ids) < limit or len(history) <= first:
+                break
+            del history[first:first + 2]  # the oldest user / assistant turn
+            dropped += 1
+        if dropped:
+            print(f"zoo: dropped the {dropped} oldest turn{'s' * (dropped != 1)} of the conversation to fit "
+                  f"max_model_len={limit}", file=sys.stderr)
+    if len(ids) >= limit:
+        raise PromptTooLong(f"the prompt is {len(ids)} tokens; {llm.files.name} takes at most {limit - 1} "
+                            f"(max_model_len={limit})")
+    return ids
+
+
 def _load(args):
-    from loader import LoadError, SourceError
+    from loader import LoadError
     from registry import UnsupportedArchitecture
+    from zoo.build import exit_status
     from zoo.default_model import DefaultModelMissing
     from zoo.runtime.llm import LLM
-    from zoo.runtime.model_files import ModelNotFound
+    from zoo.runtime.model_files import ConfigError, ModelNotFound
 
     progress = Progress()
     try:
         progress("starting")
         llm = LLM(args.model, dtype=args.dtype, progress=progress)
-    except (DefaultModelMissing, ModelNotFound, SourceError, UnsupportedArchitecture, OSError) as e:
+    except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, OSError) as e:
         progress.done("failed")
-        return _fail(str(e).splitlines()[0] if isinstance(e, UnsupportedArchitecture) else str(e), 2)
-    except LoadError as e:
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
+    except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)
         progress.done("failed")
-        return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
+        if exit_status(e) == 1:
+            return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
+        return _fail(str(e), 2)
     kv = llm.engine.kv
     progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s; KV pool holds "
                   f"{kv.pool.num_blocks * kv.block_size} tokens ({llm.engine.kv_bytes_per_token} B/token)")
     return llm
 
 
-def _generate(llm, prompt: str, params, chat: bool, history: list[dict]) -> str:
-    if chat:
-        ids = llm.apply_chat_template(history + [{"role": "user", "content": prompt}])
-    else:
-        ids = llm.tokenizer.encode(prompt)
+def _generate(llm, ids: list[int], params) -> str:
     t0 = time.perf_counter()
     first = None
     text, n = "", 0

@@ -11,7 +11,8 @@ Use from a layer:
         return kernels.linear(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)   # the reference path: autograd, other dtypes and devices
 
-`ZOO_FAST=0` in the environment turns every kernel off (read at each call, so tests can flip it).
+`ZOO_FAST=0` in the environment turns every kernel off (read at import); `set_enabled(False)` does the same
+at run time (tests run both paths with it).
 Build: the first call compiles cpu.cpp with $CXX (default g++) into ~/.cache/zoo/kernels/<hash>/
 (`ZOO_CACHE_DIR` replaces ~/.cache/zoo); the hash covers the source, the flags, the compiler and this
 machine's CPU flags (the build uses -march=native). A second or so, once per machine and source version.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -33,17 +35,18 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-std=c++17"]
 SMALL_M = 64  # rows up to which zoo_linear beats torch's sgemm on weights streamed from memory (bench/kernels.py)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_on = os.environ.get("ZOO_FAST", "1") != "0"
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "zoo_linear": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
-    "zoo_rope": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L, _P, _I],
+    "zoo_rope": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _I],
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
@@ -53,18 +56,25 @@ _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "blo
 
 
 def enabled() -> bool:
-    """Kernels switched on (ZOO_FAST is not "0") and built."""
-    return os.environ.get("ZOO_FAST", "1") != "0" and _load() is not None
+    """Kernels switched on (ZOO_FAST is not "0", set_enabled) and built."""
+    return _on and _load() is not None
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the kernels on or off for this process; returns the previous setting."""
+    global _on
+    previous, _on = _on, bool(on)
+    return previous
 
 
 def fast(*tensors: torch.Tensor) -> bool:
-    """Whether a layer should take the native path for these tensors."""
-    if os.environ.get("ZOO_FAST", "1") == "0" or torch.is_grad_enabled():
+    """Whether a layer should take the native path for these tensors (called on every op: kept cheap)."""
+    if not _on or torch.is_grad_enabled():
         return False
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype is not torch.float32 or not t.is_cpu:
             return False
-    return _load() is not None
+    return _lib is not None or _load() is not None
 
 
 def cache_dir() -> Path:
@@ -123,14 +133,62 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def pack_weights(model: torch.nn.Module) -> int:
+    """Move the model's float32 CPU parameters into one buffer, in the order a forward pass reads them.
+
+    A decode step streams every weight once: one long sequential stream is read faster than scattered
+    matrices (hardware prefetchers keep running across matrix boundaries; bench/kernels.py --packed shows
+    it), and the buffer asks for transparent huge pages (fewer TLB misses). Parameters keep their
+    objects, names, shapes and ties; only their storage moves (`param.data`). Order: module order, which
+    for the decoder models here is execution order, except that embedding tables go last (a tied table
+    is read in full only by the LM head, at the end; an embedding lookup reads a few rows).
+    Returns the bytes packed (0 when nothing qualifies); packing a packed model again does nothing.
+    """
+    if getattr(model, "_zoo_packed_bytes", None) is not None:
+        return model._zoo_packed_bytes
+    seen, first, last = set(), [], []
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen or p.dtype is not torch.float32 or not p.is_cpu:
+                continue
+            seen.add(id(p))
+            (last if "embed" in name.rsplit(".", 1)[-1] else first).append(p)
+    params = first + last
+    if not params:
+        model._zoo_packed_bytes = 0
+        return 0
+    align = 16  # floats: each matrix starts on a cache line
+    sizes = [(p.numel() + align - 1) // align * align for p in params]
+    total = sum(sizes)
+    nbytes = (total * 4 + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        arena = torch.frombuffer(buf, dtype=torch.float32)
+    except (OSError, ValueError, AttributeError):
+        buf, arena = None, torch.empty(total)
+    offset = 0
+    with torch.no_grad():
+        for p, size in zip(params, sizes):
+            view = arena[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += size
+    model._zoo_weight_buffer = buf  # (the tensors keep the mapping alive too)
+    model._zoo_packed_bytes = total * 4
+    return total * 4
+
+
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x viewed as [rows, last dim] with a unit last stride (a copy only when the view cannot exist)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,47 +198,77 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0 or m > SMALL_M or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return F.linear(x, weight, bias)
     x2 = _rows(x)
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = torch.empty(m, n)
     _lib.zoo_linear(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k, _ptr(bias), y.data_ptr(), n,
                     torch.get_num_threads())
-    return y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False) -> torch.Tensor:
     """Llama's `w * (x * r)` or, with gemma, `(x * r) * (1 + w)`; r = rsqrt(mean(x^2) + eps); any leading dims."""
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype)
-    _lib.zoo_rms_norm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.contiguous().data_ptr(), eps,
-                      int(gemma), out.data_ptr(), torch.get_num_threads())
-    return out.view(x.shape)
+    rows, d = x2.shape
+    out = torch.empty(rows, d)
+    _lib.zoo_rms_norm(x2.data_ptr(), rows, d, x2.stride(0), weight.contiguous().data_ptr(), eps, int(gemma),
+                      out.data_ptr(), torch.get_num_threads())
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n, D] (unit last stride) rotated by the table rows cos/sin [L, F] at positions [T] (all < L)."""
-    t, n, d = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    out = torch.empty(t, n, d, dtype=x.dtype)
-    bad = _lib.zoo_rope(x.data_ptr(), t, n, x.stride(0), x.stride(1), d, positions.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), cos.shape[0], cos.shape[1], out.data_ptr(), torch.get_num_threads())
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, n, D] and k [T, m, D] (unit last strides) rotated by the table rows cos/sin [L, F] at positions."""
+    t, n, d = q.shape
+    m = k.shape[1]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if positions.dtype is not torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    q_out, k_out = torch.empty(t, n, d), torch.empty(t, m, d)
+    bad = _lib.zoo_rope(q.data_ptr(), q.stride(0), q.stride(1), n, q_out.data_ptr(),
+                        k.data_ptr(), k.stride(0), k.stride(1), m, k_out.data_ptr(), t, d, positions.data_ptr(),
+                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], torch.get_num_threads())
     if bad >= 0:
         raise IndexError(f"rotary: token {bad} has position {int(positions[bad])}, outside the cos/sin table "
                          f"of {cos.shape[0]} positions")
-    return out
+    return q_out, k_out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = cat(gate, up) [T, 2I] -> [T, I]."""
     g = _rows(gate_up)
-    i = g.shape[1] // 2
-    out = torch.empty(g.shape[0], i, dtype=g.dtype)
-    _lib.zoo_silu_mul(g.data_ptr(), g.shape[0], i, g.stride(0), out.data_ptr(), torch.get_num_threads())
-    return out.view(*gate_up.shape[:-1], i)
+    rows, i = g.shape[0], g.shape[1] // 2
+    out = torch.empty(rows, i)
+    _lib.zoo_silu_mul(g.data_ptr(), rows, i, g.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], i)
 
 
 def _int(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+    return t if t.dtype is dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+_batch_meta: list = [None, None]  # [the last batch seen, its metadata]: every layer of a step shares one batch
+
+
+def _metadata(batch, t: int, with_cache: bool) -> tuple:
+    """(qsl, seq_lens, slots, tables) as int32 / int32 / int64 / int32 contiguous, checked once per batch."""
+    if _batch_meta[0] is batch and _batch_meta[1][0] == with_cache:
+        return _batch_meta[1][1]
+    qsl, seq_lens = _int(batch.query_start_loc, torch.int32), _int(batch.seq_lens, torch.int32)
+    b = seq_lens.shape[0]
+    if qsl.shape != (b + 1,):
+        raise ValueError(f"attention: batch.query_start_loc has shape {tuple(qsl.shape)}, expected ({b + 1},) "
+                         f"for {b} requests")
+    slots = tables = None
+    if with_cache:
+        slots, tables = _int(batch.slot_mapping, torch.int64), _int(batch.block_tables, torch.int32)
+        if slots.shape != (t,) or tables.dim() != 2 or tables.shape[0] < b:
+            raise ValueError(f"attention: batch.slot_mapping {tuple(slots.shape)} / block_tables "
+                             f"{tuple(tables.shape)} do not fit {t} tokens of {b} requests")
+    meta = (qsl, seq_lens, slots, tables)
+    _batch_meta[:] = [batch, (with_cache, meta)]
+    return meta
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None, batch, *,
@@ -189,19 +277,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     [NB, BS, 2, KV, D], then causal attention of each token over its request's context (see cpu.cpp)."""
     t, h, d = q.shape
     kvh = k.shape[1]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    qsl, seq_lens = _int(batch.query_start_loc, torch.int32), _int(batch.seq_lens, torch.int32)
-    if qsl.shape != (seq_lens.shape[0] + 1,):
-        raise ValueError(f"attention: batch.query_start_loc has shape {tuple(qsl.shape)}, expected "
-                         f"({seq_lens.shape[0] + 1},) for {seq_lens.shape[0]} requests")
-    out = torch.empty(t, h * d, dtype=q.dtype)
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    qsl, seq_lens, slots, tables = _metadata(batch, t, kv_cache is not None)
+    out = torch.empty(t, h * d)
     if kv_cache is not None:
         if not kv_cache.is_contiguous():
             raise ValueError(f"the KV cache must be contiguous, got strides {kv_cache.stride()}")
-        slots, tables = _int(batch.slot_mapping, torch.int64), _int(batch.block_tables, torch.int32)
-        if slots.shape != (t,) or tables.dim() != 2 or tables.shape[0] < seq_lens.shape[0]:
-            raise ValueError(f"attention: batch.slot_mapping {tuple(slots.shape)} / block_tables "
-                             f"{tuple(tables.shape)} do not fit {t} tokens of {seq_lens.shape[0]} requests")
         cache_args = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], slots.data_ptr(), tables.data_ptr(),
                       tables.shape[1])
     else:
@@ -211,6 +293,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
                              qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
                              sliding_window or 0, softcap or 0.0, torch.get_num_threads())
     if bad:
+        shape = tuple(kv_cache.shape) if kv_cache is not None else None
         raise ValueError(f"attention: batch.{_BATCH_FIELDS[bad]} is inconsistent with the step's {t} tokens, "
-                         f"{seq_lens.shape[0]} requests and the cache of shape {tuple(kv_cache.shape) if kv_cache is not None else None}")
+                         f"{seq_lens.shape[0]} requests and the cache of shape {shape}")
     return out

@@ -1,6 +1,6 @@
 // zoo's native CPU kernels: float32, row-major, no torch headers (loaded with ctypes by zoo/kernels/__init__.py).
 //
-// Built with -O3 -march=native -ffp-contract=off -fopenmp. Contraction is off so that the elementwise kernels
+// Built with -O3 -march=native -ffp-contract=off -pthread. Contraction is off so that the elementwise kernels
 // round exactly like torch's separate mul / add ops (the rotation equals transformers' bit for bit); the
 // reductions use explicit fused multiply-adds (fma16) instead.
 //
@@ -8,15 +8,22 @@
 //     M = rows of x (tokens)    K = input features    N = output features    T = tokens    D = head dim
 //     H = query heads    KV = key/value heads    B = requests    BS = tokens per block
 //
-// Threads: OpenMP regions take the caller's count (torch.get_num_threads()); the library resolves to the
-// libgomp torch already loaded, so both share one thread pool. Every output element is computed by one
-// thread in a fixed order: results do not depend on the thread count.
-#include <omp.h>
+// Threads: a kernel splits its work into chunks that the calling thread and the pool's workers claim from
+// one atomic counter (Pool below). The caller never waits for a worker that has not started, only for
+// chunks a worker has claimed: on a machine shared with other processes a descheduled worker costs at
+// most one chunk, where a fork-join barrier (OpenMP) waits for it at every kernel. Every output element is
+// computed by one thread in a fixed order: results do not depend on the thread count.
+#include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__FMA__)
@@ -52,6 +59,27 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
+// a * b + c with one rounding, 8 lanes
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+template <typename V> static inline V vload(const float* p);
+template <> inline v16 vload<v16>(const float* p) { return load(p); }
+template <> inline v8 vload<v8>(const float* p) { return *(const v8u*)p; }
+template <typename V> static inline V vsplat(float x);
+template <> inline v16 vsplat<v16>(float x) { return splat(x); }
+template <> inline v8 vsplat<v8>(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v16 vfma(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
+static inline v8 vfma(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
+static inline void vstore(float* p, v16 v) { store(p, v); }
+static inline void vstore(float* p, v8 v) { *(v8u*)p = v; }
+
 // sum of the 16 lanes, in a fixed tree order
 static inline float hsum(v16 v) {
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -86,7 +114,7 @@ static inline v16 exp16(v16 x) {
     return x < lo ? splat(0.0f) : res;
 }
 
-static inline float dot(const float* a, const float* b, long n) {
+static inline float dot(const float* a, const float* b, long n) {  // fixed order: lanes, then the tail
     v16 acc = splat(0.0f);
     long i = 0;
     for (; i + 16 <= n; i += 16) acc = fma16(load(a + i), load(b + i), acc);
@@ -96,14 +124,139 @@ static inline float dot(const float* a, const float* b, long n) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Pool: run(fn, ctx, n, threads) calls fn(ctx, c) once for every chunk c < n, on the caller and up to
+// threads - 1 workers. state = epoch << 32 | next chunk; a chunk is claimed by a compare-and-swap that
+// also checks the epoch, so a late worker can never run a chunk of a job it did not read. Workers spin
+// briefly between jobs (decode calls kernels every few microseconds), then sleep on a condition variable.
+
+typedef void (*chunk_fn)(const void* ctx, long chunk);
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+class Pool {
+   public:
+    void run(chunk_fn fn, const void* ctx, long n, int threads) {
+        if (n <= 0) return;
+        std::unique_lock<std::mutex> solo(run_mu_, std::try_to_lock);  // another caller thread: run alone
+        if (threads <= 1 || n == 1 || !solo.owns_lock()) {
+            for (long c = 0; c < n; c++) fn(ctx, c);
+            return;
+        }
+        grow(threads - 1);
+        fn_.store(fn, std::memory_order_relaxed);
+        ctx_.store(ctx, std::memory_order_relaxed);
+        n_.store(n, std::memory_order_relaxed);
+        active_.store(threads - 1, std::memory_order_relaxed);
+        done_.store(0, std::memory_order_relaxed);
+        uint64_t epoch = (state_.load() >> 32) + 1;
+        state_.store(epoch << 32);  // seq_cst: publishes the job, ordered before the sleepers check
+        if (sleepers_.load() > 0) {
+            std::lock_guard<std::mutex> lk(mu_);
+            cv_.notify_all();
+        }
+        claim(epoch, fn, ctx, n);
+        for (long spins = 0; done_.load(std::memory_order_acquire) < n; spins++)
+            if (spins > 4096) std::this_thread::yield(); else cpu_relax();
+    }
+
+   private:
+    std::atomic<uint64_t> state_{0};
+    std::atomic<chunk_fn> fn_{nullptr};
+    std::atomic<const void*> ctx_{nullptr};
+    std::atomic<long> n_{0}, done_{0};
+    std::atomic<int> active_{0}, sleepers_{0};
+    std::mutex run_mu_, mu_;
+    std::condition_variable cv_;
+    int workers_ = 0;
+
+    void claim(uint64_t epoch, chunk_fn fn, const void* ctx, long n) {
+        uint64_t s = state_.load(std::memory_order_acquire);
+        while ((s >> 32) == epoch && (long)(s & 0xffffffffu) < n) {
+            if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
+                fn(ctx, (long)(s & 0xffffffffu));
+                done_.fetch_add(1, std::memory_order_release);
+                s = state_.load(std::memory_order_acquire);
+            }
+        }
+    }
+
+    void grow(int wanted) {
+        for (; workers_ < wanted; workers_++) std::thread(&Pool::worker, this, workers_).detach();
+    }
+
+    void worker(int index) {
+        uint64_t seen = state_.load() >> 32;
+        for (;;) {
+            uint64_t epoch = state_.load() >> 32;
+            for (long spins = 0; epoch == seen && spins < 20000; spins++) {  // ~100 us
+                cpu_relax();
+                epoch = state_.load() >> 32;
+            }
+            if (epoch == seen) {
+                std::unique_lock<std::mutex> lk(mu_);
+                sleepers_.fetch_add(1);
+                cv_.wait(lk, [&] { return (state_.load() >> 32) != seen; });
+                sleepers_.fetch_sub(1);
+                epoch = state_.load() >> 32;
+            }
+            seen = epoch;
+            if (index >= active_.load(std::memory_order_relaxed)) continue;
+            claim(epoch, fn_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
+                  n_.load(std::memory_order_relaxed));
+        }
+    }
+};
+
+static Pool& pool() {  // never destroyed (detached workers); a forked child starts a pool of its own
+    static Pool* p = nullptr;
+    static pid_t owner = 0;
+    if (p == nullptr || owner != getpid()) {
+        p = new Pool();
+        owner = getpid();
+    }
+    return *p;
+}
+
+// run body(i) for i in [0, n) in chunks of `grain` items
+template <typename Body>
+static void parallel_for(long n, long grain, int threads, const Body& body) {
+    struct Ctx { const Body* body; long n, grain; };
+    Ctx ctx{&body, n, std::max(1L, grain)};
+    long chunks = (n + ctx.grain - 1) / ctx.grain;
+    pool().run([](const void* p, long c) {
+        const Ctx* x = (const Ctx*)p;
+        long e = std::min(x->n, (c + 1) * x->grain);
+        for (long i = c * x->grain; i < e; i++) (*x->body)(i);
+    }, &ctx, chunks, threads);
+}
+
+// run body(begin, end) over [0, n) in ranges of `grain` items (one call per chunk)
+template <typename Body>
+static void parallel_ranges(long n, long grain, int threads, const Body& body) {
+    struct Ctx { const Body* body; long n, grain; };
+    Ctx ctx{&body, n, std::max(1L, grain)};
+    long chunks = (n + ctx.grain - 1) / ctx.grain;
+    pool().run([](const void* p, long c) {
+        const Ctx* x = (const Ctx*)p;
+        (*x->body)(c * x->grain, std::min(x->n, (c + 1) * x->grain));
+    }, &ctx, chunks, threads);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]); w [N, K] contiguous as in the checkpoint.
 //
 // Few rows (M <= 4): each thread streams its contiguous share of w's rows once, one row at a time (one
 // sequential stream reads at the memory's speed; several interleaved row streams measured 2x slower), and
 // dots it with every row of x (x stays in L1).
-// More rows: x is transposed into panels of 16 rows, xt [K, 16]; each w element is broadcast against a
-// panel column, so 16 outputs of one w row accumulate in one vector with no horizontal sums; R = 6 rows of
-// w at a time keep the FMA units busy.
+// More rows: x is transposed into panels of 16 rows (8 when M <= 8), xt [K, lanes]; each w element is
+// broadcast against a panel column, so the outputs of one w row for a whole panel accumulate in one vector
+// with no horizontal sums; R = 6 rows of w at a time keep the FMA units busy.
 
 template <int MB>
 static inline void dot_rows(const float* x, long ldx, const float* w, long K, float* y, long ldy, float bias) {
@@ -136,69 +289,78 @@ static void linear_few(const float* x, long M, long ldx, const float* w, long n0
     }
 }
 
-// out[r * 16 + lane] = sum_k w[r, k] xt[k, lane] for R rows of w
-template <int R>
+// out[r * LANES + lane] = sum_k w[r, k] xt[k, lane] for R rows of w; V = a vector of LANES floats
+template <typename V, int LANES, int R>
 static inline void panel_rows(const float* xt, const float* w, long K, float* out) {
-    v16 acc[R][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = splat(0.0f);
+    V acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vsplat<V>(0.0f);
     long k = 0;
     for (; k + 2 <= K; k += 2) {
-        v16 x0 = load(xt + k * 16), x1 = load(xt + (k + 1) * 16);
+        V x0 = vload<V>(xt + k * LANES), x1 = vload<V>(xt + (k + 1) * LANES);
         for (int r = 0; r < R; r++) {
-            acc[r][0] = fma16(splat(w[r * K + k]), x0, acc[r][0]);
-            acc[r][1] = fma16(splat(w[r * K + k + 1]), x1, acc[r][1]);
+            acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
+            acc[r][1] = vfma(vsplat<V>(w[r * K + k + 1]), x1, acc[r][1]);
         }
     }
     if (k < K) {
-        v16 x0 = load(xt + k * 16);
-        for (int r = 0; r < R; r++) acc[r][0] = fma16(splat(w[r * K + k]), x0, acc[r][0]);
+        V x0 = vload<V>(xt + k * LANES);
+        for (int r = 0; r < R; r++) acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
     }
-    for (int r = 0; r < R; r++) store(out + 16 * r, acc[r][0] + acc[r][1]);
+    for (int r = 0; r < R; r++) vstore(out + LANES * r, acc[r][0] + acc[r][1]);
 }
 
-template <int R>
+// rows n .. n + R - 1 of y for every panel of LANES rows of x
+template <typename V, int LANES, int R>
 static inline void panel_block(const float* xt, long M, const float* w, long n, long K, const float* b, float* y,
                                long ldy) {
-    float out[16 * R];
-    for (long p = 0; p * 16 < M; p++) {
-        panel_rows<R>(xt + p * K * 16, w + n * K, K, out);
-        long lanes = std::min(16L, M - p * 16);
+    float out[LANES * R];
+    for (long p = 0; p * LANES < M; p++) {
+        panel_rows<V, LANES, R>(xt + p * K * LANES, w + n * K, K, out);
+        long lanes = std::min((long)LANES, M - p * LANES);
         for (int r = 0; r < R; r++) {
             float bias = b ? b[n + r] : 0.0f;
-            for (long l = 0; l < lanes; l++) y[(p * 16 + l) * ldy + n + r] = out[16 * r + l] + bias;
+            for (long l = 0; l < lanes; l++) y[(p * LANES + l) * ldy + n + r] = out[LANES * r + l] + bias;
         }
     }
 }
 
+template <typename V, int LANES>
 static void linear_panels(const float* xt, long M, const float* w, long n0, long n1, long K, const float* b, float* y,
                           long ldy) {
     long n = n0;
-    for (; n + 6 <= n1; n += 6) panel_block<6>(xt, M, w, n, K, b, y, ldy);
-    for (; n < n1; n++) panel_block<1>(xt, M, w, n, K, b, y, ldy);
+    for (; n + 6 <= n1; n += 6) panel_block<V, LANES, 6>(xt, M, w, n, K, b, y, ldy);
+    for (; n < n1; n++) panel_block<V, LANES, 1>(xt, M, w, n, K, b, y, ldy);
 }
 
 extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
                            float* y, long ldy, int nt) {
     static thread_local std::vector<float> xt;
-    bool panels = M > 4;
-    if (panels) {  // xt [ceil(M / 16), K, 16], zero-padded lanes
-        long np = (M + 15) / 16;
-        xt.assign(np * K * 16, 0.0f);
-        for (long m = 0; m < M; m++)
-            for (long k = 0; k < K; k++) xt[((m / 16) * K + k) * 16 + m % 16] = x[m * ldx + k];
+    const long lanes = M > 8 ? 16 : 8;  // panels of 8 rows (256-bit vectors) for 5..8 rows: no wasted lanes
+    const bool panels = M > 4;
+    if (panels) {  // xt [ceil(M / lanes), K, lanes], zero-padded lanes, written contiguously
+        long np = (M + lanes - 1) / lanes;
+        xt.resize(np * K * lanes);
+        for (long p = 0; p < np; p++) {
+            long used = std::min(lanes, M - p * lanes);
+            float* dst = &xt[p * K * lanes];
+            const float* src = x + p * lanes * ldx;
+            for (long k = 0; k < K; k++) {
+                for (long l = 0; l < used; l++) dst[k * lanes + l] = src[l * ldx + k];
+                for (long l = used; l < lanes; l++) dst[k * lanes + l] = 0.0f;
+            }
+        }
     }
     const float* xtp = xt.data();
-    int threads = (N * K >= 65536) ? nt : 1;
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nth = omp_get_num_threads();
-        long per = ((N + nth - 1) / nth + 47) / 48 * 48;  // whole cache lines of y, whole 6-row blocks
-        long n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
-        if (panels)
-            linear_panels(xtp, M, w, n0, n1, K, b, y, ldy);
-        else
+    // chunks of ~256 KB of w when streaming (one sequential stream each); 48 rows when computing panels
+    long rows = panels ? 48 : std::max(48L, (65536 / std::max(K, 1L)) / 48 * 48);
+    parallel_ranges(N, rows, N * K >= 65536 ? nt : 1, [&](long n0, long n1) {
+        if (!panels)
             linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy);
-    }
+        else if (lanes == 16)
+            linear_panels<v16, 16>(xtp, M, w, n0, n1, K, b, y, ldy);
+        else
+            linear_panels<v8, 8>(xtp, M, w, n0, n1, K, b, y, ldy);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -206,9 +368,7 @@ extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, lon
 
 extern "C" void zoo_rms_norm(const float* x, long R, long D, long ldx, const float* w, float eps, int gemma,
                              float* out, int nt) {
-    int threads = (R * D >= 131072) ? nt : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long i = 0; i < R; i++) {
+    parallel_for(R, 16, R * D >= 131072 ? nt : 1, [&](long i) {
         const float* xr = x + i * ldx;
         float* o = out + i * D;
         v16 acc = splat(0.0f);
@@ -224,33 +384,33 @@ extern "C" void zoo_rms_norm(const float* x, long R, long D, long ldx, const flo
             for (d = 0; d < D; d++) o[d] = (xr[d] * r) * (1.0f + w[d]);
         else
             for (d = 0; d < D; d++) o[d] = w[d] * (xr[d] * r);
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Rotary (rotate-half layout): x [T, n, D] with strides (st, sh, 1) -> out [T, n, D] contiguous;
+// Rotary (rotate-half layout) of q [T, n, D] and k [T, m, D] (strides (st, sh, 1)) into contiguous outputs;
 // the first 2F dims rotate by the table rows cos/sin [L, F] at pos[t], the rest are copied.
 // Returns the index of a token whose position is outside the table (nothing written), or -1.
 
-extern "C" long zoo_rope(const float* x, long T, long n, long st, long sh, long D, const int64_t* pos,
-                         const float* cos, const float* sin, long L, long F, float* out, int nt) {
+static inline void rotate_row(const float* x, float* o, const float* c, const float* s, long F, long D) {
+    for (long f = 0; f < F; f++) {
+        o[f] = x[f] * c[f] - x[f + F] * s[f];
+        o[f + F] = x[f + F] * c[f] + x[f] * s[f];
+    }
+    for (long d = 2 * F; d < D; d++) o[d] = x[d];
+}
+
+extern "C" long zoo_rope(const float* q, long q_st, long q_sh, long n, float* q_out, const float* k, long k_st,
+                         long k_sh, long m, float* k_out, long T, long D, const int64_t* pos, const float* cos,
+                         const float* sin, long L, long F, int nt) {
     for (long t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= L) return t;
-    int threads = (T * n * D >= 131072) ? nt : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < T; t++) {
+    parallel_for(T, 16, T * (n + m) * D >= 131072 ? nt : 1, [&](long t) {
         const float* c = cos + pos[t] * F;
         const float* s = sin + pos[t] * F;
-        for (long h = 0; h < n; h++) {
-            const float* xi = x + t * st + h * sh;
-            float* o = out + (t * n + h) * D;
-            for (long f = 0; f < F; f++) {
-                o[f] = xi[f] * c[f] - xi[f + F] * s[f];
-                o[f + F] = xi[f + F] * c[f] + xi[f] * s[f];
-            }
-            for (long d = 2 * F; d < D; d++) o[d] = xi[d];
-        }
-    }
+        for (long h = 0; h < n; h++) rotate_row(q + t * q_st + h * q_sh, q_out + (t * n + h) * D, c, s, F, D);
+        for (long h = 0; h < m; h++) rotate_row(k + t * k_st + h * k_sh, k_out + (t * m + h) * D, c, s, F, D);
+    });
     return -1;
 }
 
@@ -258,9 +418,7 @@ extern "C" long zoo_rope(const float* x, long T, long n, long st, long sh, long 
 // silu(gate) * up for gate_up [T, 2I] (row stride ld) -> out [T, I]; silu(g) = g / (1 + e^-g) as torch
 
 extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
-    int threads = (T * I >= 65536) ? nt : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < T; t++) {
+    parallel_for(T, 4, T * I >= 65536 ? nt : 1, [&](long t) {
         const float* g = gu + t * ld;
         const float* u = g + I;
         float* o = out + t * I;
@@ -270,7 +428,7 @@ extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* ou
             store(o + i, (gv / (splat(1.0f) + exp16(-gv))) * load(u + i));
         }
         for (; i < I; i++) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -282,6 +440,82 @@ extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* ou
 // prompt and its context is its own rows of k and v. q/k/v rows are strided ([T, heads, D], unit last stride).
 // The metadata is checked first (nothing is read or written out of bounds); returns 0, or the code of the
 // first problem: 1 query_start_loc, 2 seq_lens, 3 slot_mapping, 4 block_tables.
+
+// scores[j] = (q . k_j) * scale: four context rows at a time (independent chains), q held in registers
+template <int ND>
+static void scores_fixed(const float* q, const float* const* krows, long L, float scale, float* out) {
+    v16 qv[ND];
+    for (int d = 0; d < ND; d++) qv[d] = load(q + 16 * d);
+    long j = 0;
+    for (; j + 4 <= L; j += 4) {
+        const float *k0 = krows[j], *k1 = krows[j + 1], *k2 = krows[j + 2], *k3 = krows[j + 3];
+        v16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1), a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
+        for (int d = 1; d < ND; d++) {
+            a0 = fma16(qv[d], load(k0 + 16 * d), a0);
+            a1 = fma16(qv[d], load(k1 + 16 * d), a1);
+            a2 = fma16(qv[d], load(k2 + 16 * d), a2);
+            a3 = fma16(qv[d], load(k3 + 16 * d), a3);
+        }
+        out[j] = hsum(a0) * scale;
+        out[j + 1] = hsum(a1) * scale;
+        out[j + 2] = hsum(a2) * scale;
+        out[j + 3] = hsum(a3) * scale;
+    }
+    for (; j < L; j++) {
+        v16 a = qv[0] * load(krows[j]);
+        for (int d = 1; d < ND; d++) a = fma16(qv[d], load(krows[j] + 16 * d), a);
+        out[j] = hsum(a) * scale;
+    }
+}
+
+static void scores_any(const float* q, const float* const* krows, long L, long D, float scale, float* out) {
+    for (long j = 0; j < L; j++) out[j] = dot(q, krows[j], D) * scale;
+}
+
+// out[d] = sum_j p[j] v_j[d]: two rows at a time into two accumulator sets, added at the end
+template <int ND>
+static void weighted_fixed(const float* p, const float* const* vrows, long L, float* out) {
+    v16 a[ND], b[ND];
+    for (int d = 0; d < ND; d++) a[d] = b[d] = splat(0.0f);
+    long j = 0;
+    for (; j + 2 <= L; j += 2) {
+        v16 p0 = splat(p[j]), p1 = splat(p[j + 1]);
+        const float *v0 = vrows[j], *v1 = vrows[j + 1];
+        for (int d = 0; d < ND; d++) {
+            a[d] = fma16(p0, load(v0 + 16 * d), a[d]);
+            b[d] = fma16(p1, load(v1 + 16 * d), b[d]);
+        }
+    }
+    if (j < L) {
+        v16 p0 = splat(p[j]);
+        for (int d = 0; d < ND; d++) a[d] = fma16(p0, load(vrows[j] + 16 * d), a[d]);
+    }
+    for (int d = 0; d < ND; d++) store(out + 16 * d, a[d] + b[d]);
+}
+
+static void weighted_any(const float* p, const float* const* vrows, long L, long D, float* out) {
+    for (long d = 0; d < D; d++) out[d] = 0.0f;
+    for (long j = 0; j < L; j++)
+        for (long d = 0; d < D; d++) out[d] = std::fma(p[j], vrows[j][d], out[d]);
+}
+
+static void scores(const float* q, const float* const* krows, long L, long D, float scale, float* out) {
+    switch (D) {
+        case 32: scores_fixed<2>(q, krows, L, scale, out); break;
+        case 64: scores_fixed<4>(q, krows, L, scale, out); break;
+        case 128: scores_fixed<8>(q, krows, L, scale, out); break;
+        default: scores_any(q, krows, L, D, scale, out);
+    }
+}
+
+static void weighted(const float* p, const float* const* vrows, long L, long D, float* out) {
+    switch (D) {
+        case 32: weighted_fixed<2>(p, vrows, L, out); break;
+        case 64: weighted_fixed<4>(p, vrows, L, out); break;
+        case 128: weighted_fixed<8>(p, vrows, L, out); break;
+        default: weighted_any(p, vrows, L, D, out);
+    }
+}
 
 static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const float* cache, long nb,
                        long bs, const int64_t* slots, const int32_t* tables, long max_blocks) {
@@ -313,71 +547,63 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
     for (long b = 0; b < B; b++)
         for (long t = qsl[b]; t < qsl[b + 1]; t++) req[t] = (int32_t)b;
     const long G = H / KV, row = 2 * KV * D;
-    int threads = (T * H >= 4) ? nt : 1;
-#pragma omp parallel num_threads(threads)
-    {
-        if (cache) {
-#pragma omp for schedule(static)
-            for (long t = 0; t < T; t++) {
-                float* dst = cache + slots[t] * row;
-                for (long h = 0; h < KV; h++) {
-                    memcpy(dst + h * D, k + t * k_st + h * k_sh, D * sizeof(float));
-                    memcpy(dst + (KV + h) * D, v + t * v_st + h * v_sh, D * sizeof(float));
-                }
-            }  // implicit barrier: every slot is written before any is read
-        }
-        std::vector<float> sc;
-        std::vector<v16> acc((D + 15) / 16);
-#pragma omp for schedule(dynamic, 4)
-        for (long it = 0; it < T * H; it++) {
-            const long t = it / H, h = it % H, kh = h / G, b = req[t];
-            const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
-            const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
-            const long L = p - lo + 1;
-            sc.resize(L + 16);
-            const float* qp = q + t * q_st + h * q_sh;
-            const int32_t* table = tables + b * max_blocks;
-            auto kv_row = [&](long c) -> const float* {  // K row of context position c (V is KV * D further)
-                if (cache) return cache + ((long)table[c / bs] * bs + c % bs) * row + kh * D;
-                return k + (qsl[b] + c) * k_st + kh * k_sh;
-            };
-            for (long j = 0; j < L; j++) {
-                float s = dot(qp, kv_row(lo + j), D) * scale;
-                if (softcap > 0.0f) s = std::tanh(s / softcap) * softcap;
-                sc[j] = s;
+    if (cache)  // the new tokens' k and v into their slots, before any is read
+        for (long t = 0; t < T; t++) {
+            float* dst = cache + slots[t] * row;
+            for (long h = 0; h < KV; h++) {
+                memcpy(dst + h * D, k + t * k_st + h * k_sh, D * sizeof(float));
+                memcpy(dst + (KV + h) * D, v + t * v_st + h * v_sh, D * sizeof(float));
             }
+        }
+    long work = 0;  // context rows read, to decide whether a second thread pays
+    for (long b = 0; b < B; b++) work += (long)(qsl[b + 1] - qsl[b]) * seq_lens[b];
+    // one item = one token and one KV head: its G query heads read each context row once
+    parallel_for(T * KV, 1, work * KV * D >= 32768 ? nt : 1, [&](long it) {
+        static thread_local std::vector<float> sc;
+        static thread_local std::vector<const float*> krows, vrows;
+        const long t = it / KV, kh = it % KV, b = req[t];
+        const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
+        const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
+        const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
+        sc.resize(Lp);
+        krows.resize(L);
+        vrows.resize(L);
+        if (cache) {  // walk the block table once: one division per block, not per row
+            const int32_t* table = tables + b * max_blocks;
+            for (long c = lo; c <= p;) {
+                long off = c % bs, n = std::min(bs - off, p + 1 - c);
+                const float* base = cache + ((long)table[c / bs] * bs + off) * row + kh * D;
+                for (long i = 0; i < n; i++) {
+                    krows[c - lo + i] = base + i * row;
+                    vrows[c - lo + i] = base + i * row + KV * D;
+                }
+                c += n;
+            }
+        } else {
+            for (long c = lo; c <= p; c++) {
+                krows[c - lo] = k + (qsl[b] + c) * k_st + kh * k_sh;
+                vrows[c - lo] = v + (qsl[b] + c) * v_st + kh * v_sh;
+            }
+        }
+        float* r = sc.data();
+        for (long g = 0; g < G; g++) {
+            const long h = kh * G + g;
+            scores(q + t * q_st + h * q_sh, krows.data(), L, D, scale, r);
+            if (softcap > 0.0f)
+                for (long j = 0; j < L; j++) r[j] = std::tanh(r[j] / softcap) * softcap;
+            for (long j = L; j < Lp; j++) r[j] = -INFINITY;  // padding: exp gives exactly 0
             v16 mv = splat(-INFINITY);
-            long j = 0;
-            for (; j + 16 <= L; j += 16) mv = load(&sc[j]) > mv ? load(&sc[j]) : mv;
-            float mx = hmax(mv);
-            for (; j < L; j++) mx = std::max(mx, sc[j]);
-            v16 sv = splat(0.0f);
-            for (j = 0; j + 16 <= L; j += 16) {
-                v16 e = exp16(load(&sc[j]) - splat(mx));
-                store(&sc[j], e);
+            for (long j = 0; j < Lp; j += 16) mv = load(r + j) > mv ? load(r + j) : mv;
+            v16 mx = splat(hmax(mv)), sv = splat(0.0f);
+            for (long j = 0; j < Lp; j += 16) {
+                v16 e = exp16(load(r + j) - mx);
+                store(r + j, e);
                 sv = sv + e;
             }
-            if (j < L) {  // the tail through a padded vector, so every probability comes from exp16
-                float tail[16];
-                for (long i = 0; i < 16; i++) tail[i] = j + i < L ? sc[j + i] - mx : -INFINITY;
-                v16 e = exp16(load(tail));
-                for (long i = 0; j + i < L; i++) sc[j + i] = e[i];
-                sv = sv + e;  // padded lanes are exactly 0
-            }
-            const float inv = 1.0f / hsum(sv);
-            const long nd = D / 16;
-            for (long d = 0; d < nd; d++) acc[d] = splat(0.0f);
-            float tail_acc[16] = {0};
-            for (j = 0; j < L; j++) {
-                const float* vp = cache ? kv_row(lo + j) + KV * D : v + (qsl[b] + lo + j) * v_st + kh * v_sh;
-                v16 pj = splat(sc[j]);
-                for (long d = 0; d < nd; d++) acc[d] = fma16(pj, load(vp + 16 * d), acc[d]);
-                for (long d = nd * 16; d < D; d++) tail_acc[d - nd * 16] = std::fma(sc[j], vp[d], tail_acc[d - nd * 16]);
-            }
-            float* o = out + (t * H + h) * D;
-            for (long d = 0; d < nd; d++) store(o + 16 * d, acc[d] * splat(inv));
-            for (long d = nd * 16; d < D; d++) o[d] = tail_acc[d - nd * 16] * inv;
+            v16 inv = splat(1.0f / hsum(sv));
+            for (long j = 0; j < Lp; j += 16) store(r + j, load(r + j) * inv);
+            weighted(r, vrows.data(), L, D, out + (t * H + h) * D);
         }
-    }
+    });
     return 0;
 }

@@ -85,16 +85,6 @@ class MLAttention(nn.Module):
         """One token of this layer's cache: the latent and the rope key, (R + DR,), keyed by `self.prefix`."""
         return CacheSpec((self.kv_lora_rank + self.rope_dim,), self.kv_b_proj.weight.dtype)
 
-    def kv_cache(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """This layer's [NB, BS, C] cache; None when the batch carries no caches at all (whole prompts only)."""
-        if not batch.kv_caches:
-            return None
-        cache = batch.kv_caches.get(self.prefix)
-        if cache is None:
-            raise KeyError(f"batch.kv_caches has no cache for {self.prefix!r} (it has {len(batch.kv_caches)} "
-                           f"others); allocate one for every module with cache_spec()")
-        return cache
-
     # -- projections -------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         """-> q_nope [T, NH, DN], rotated q_rope [T, NH, DR], cache rows [T, C] = [latent | rotated k_rope]."""
@@ -120,7 +110,7 @@ class MLAttention(nn.Module):
         if self.mode not in self.MODES:
             raise ValueError(f"{self.prefix}.mode={self.mode!r} is not one of {self.MODES}")
         q_nope, q_rope, rows = self._project(x, positions, batch)  # [T, NH, DN], [T, NH, DR], [T, C]
-        cache = self.kv_cache(batch)
+        cache = batch.cache_for(self.prefix)  # [NB, BS, C] or None (whole prompts only)
         if cache is not None:
             if cache.dtype != rows.dtype:
                 raise TypeError(f"{self.prefix}: the latent cache is {cache.dtype}, the latents {rows.dtype}")

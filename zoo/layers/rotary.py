@@ -173,7 +173,7 @@ class RotaryEmbedding:
         grown = self.rope_type == "dynamic" and num_positions > self.max_position_embeddings
         if not grown and kernels.fast(q, k):
             cos, sin = self.table(positions.device, q.dtype, num_positions)  # [L, F]
-            return kernels.rotary(q, positions, cos, sin), kernels.rotary(k, positions, cos, sin)
+            return kernels.rotary(q, k, positions, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype, num_positions)
         if grown:
             cos, sin = self._dynamic(positions, q.dtype, cos, sin, batch, num_positions)

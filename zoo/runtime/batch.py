@@ -42,6 +42,10 @@ class CacheSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+class MissingCache(LookupError):
+    """The batch carries caches, but none for a module that declares cache_spec()."""
+
+
 @dataclass
 class ForwardBatch:
     query_start_loc: torch.Tensor  # [B+1] int32, cumulative new-token counts
@@ -61,9 +65,16 @@ class ForwardBatch:
     mm_positions: torch.Tensor | None = None  # [M] rows of the step that are placeholders
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def cache_for(self, prefix: str) -> torch.Tensor | None:
+        """The cache [NB, BS, *per_token] of the module built at `prefix`; None when the batch carries no
+        caches at all (whole prompts, nothing cached or kept). MissingCache when only this one is absent."""
+        if not self.kv_caches:
+            return None
+        cache = self.kv_caches.get(prefix)
+        if cache is None:
+            raise MissingCache(f"batch.kv_caches has no cache for {prefix!r} (it has {len(self.kv_caches)} others); "
+                               f"allocate one for every module with cache_spec()")
+        return cache

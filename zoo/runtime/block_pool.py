@@ -53,9 +53,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
-    def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
-
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
@@ -105,8 +102,3 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.cached.values()):
-            block.block_hash = None
-        self.cached.clear()

@@ -143,6 +143,3 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
         self.pool.release(list(reversed(blocks)))
-
-    def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

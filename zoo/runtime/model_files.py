@@ -21,6 +21,11 @@ class ModelNotFound(RuntimeError):
     """MODEL names nothing that can be found locally (a usage or environment error)."""
 
 
+class ConfigError(ValueError):
+    """The model's config cannot be read (unknown model_type), or names a model the zoo's plugin for its
+    architecture does not serve (its `validate` refused it): a usage error, one line."""
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path  # what the loader opens: a directory or a .gguf file
@@ -121,7 +126,11 @@ def load_config(files: ModelFiles):
     from transformers import AutoConfig
 
     directory, kw = _source_dir(files)
-    return AutoConfig.from_pretrained(directory, **kw)
+    try:
+        return AutoConfig.from_pretrained(directory, **kw)
+    except ValueError as e:  # e.g. a model_type transformers does not know
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"{files.name}: the config cannot be read: {first}") from e
 
 
 def load_tokenizer(files: ModelFiles):

@@ -4,14 +4,19 @@ model, computes logits only for the rows that sample, and samples.
 Shape legend (as in zoo/runtime/batch.py):
     T = tokens this step   B = requests this step   N = requests that sample   MB = max blocks of one request
 
-Metadata is built once per step from per-request lists (B entries, not T) and tensor ops.
+Metadata is built once per step in plain Python lists (a decode step has T = B entries) and becomes one
+tensor per ForwardBatch field: no per-request tensor ops. On the CPU in float32 the weights are packed
+into one buffer in the order a step reads them (zoo.kernels.pack_weights) when the native kernels are on.
+`last_timings` holds the seconds each phase of the latest step took (bench/generate.py reports them).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
+from zoo import kernels
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
 from zoo.runtime.request import Request
@@ -29,56 +34,63 @@ class ModelRunner:
         self.sampler = Sampler()
         # Called with (sampling requests, raw logits [N, V]) every step: parity tests and debugging.
         self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
+        self.last_timings: dict[str, float] = {}  # prepare / forward / logits / sample seconds of the last step
+        self.packed_bytes = kernels.pack_weights(model) if self.device.type == "cpu" and kernels.enabled() else 0
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        sched = out.scheduled
-        counts = [s.num_new_tokens for s in sched]  # [B]
-        starts = [s.num_computed_tokens for s in sched]  # [B]
+        bs = self.block_size
         ids: list[int] = []
-        for s, start, n in zip(sched, starts, counts):
-            ids += s.request.all_token_ids[start:start + n]
-        qsl = [0]
-        for n in counts:
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, seq_lens, tables, sample_rows = [0], [], [], []
+        for s in out.scheduled:
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            table = kv.block_ids(s.request.request_id)
+            ids += s.request.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + n)
-        seq_lens = [a + n for a, n in zip(starts, counts)]
-        tables = [kv.block_ids(s.request.request_id) for s in sched]
-        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched) if s.samples]
+            seq_lens.append(end)
+            tables.append(table)
+            if s.samples:
+                sample_rows.append(qsl[-1] - 1)
+        width = max(len(t) for t in tables)
+        flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]  # [B * MB], padded with 0
 
-        b, t = len(sched), qsl[-1]
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(b), counts_t)  # [T]
-        offset = torch.tensor(starts, dtype=torch.int64) - torch.tensor(qsl[:-1], dtype=torch.int64)  # [B]
-        positions = torch.arange(t, dtype=torch.int64) + offset[req_of_token]  # [T]
-        block_tables = torch.zeros(b, max(len(x) for x in tables), dtype=torch.int32)  # [B, MB]
-        for i, row in enumerate(tables):
-            block_tables[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].to(torch.int64) * self.block_size
-                        + positions % self.block_size)  # [T]
         dev = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
         batch = ForwardBatch(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
+            positions=positions_t,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(flat_tables, dtype=torch.int32, device=dev).view(len(tables), width),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             kv_caches=self.kv_caches,
-            block_size=self.block_size,
+            block_size=bs,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
-        return input_ids, batch.positions, batch
+        return input_ids, positions_t, batch
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and what they sampled (in the same order)."""
+        t0 = time.perf_counter()
         input_ids, positions, batch = self.prepare(out, kv)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, batch)  # [T, H]
+        t2 = time.perf_counter()
         reqs = [s.request for s in out.scheduled if s.samples]
         if not reqs:
+            self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=0.0, sample=0.0)
             return [], None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+        t3 = time.perf_counter()
         if self.logits_hook is not None:
             self.logits_hook(reqs, logits)
-        return reqs, self.sampler(logits, reqs)
+        sampled = self.sampler(logits, reqs)
+        self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=time.perf_counter() - t3)
+        return reqs, sampled
