@@ -4,8 +4,9 @@
 
 A decode step uses each weight matrix once, so a GEMV measured on one hot matrix (in cache) says little:
 here every pass cycles over 30 layers' distinct matrices (qkv 960x576, o 576x576, gate_up 3072x576,
-down 576x1536) and the 49152x576 head, 538 MB in all, as one step of SmolLM2-135M does. Variants run
-interleaved, round after round, and each reports its best and median pass (the machine is shared).
+down 576x1536) and the 49152x576 head, 538 MB in all, as one step of SmolLM2-135M does; once as separate
+tensors, once packed end to end (kernels.pack_weights, as the runtime does). Variants run interleaved,
+round after round, and each reports its best and median pass (the machine is shared).
 Also: the read bandwidth (torch.sum over 1 GiB, as bench/generate.py), and the small ops of one layer.
 """
 from __future__ import annotations
@@ -58,7 +59,12 @@ def main(argv=None) -> int:
     print(f"threads {args.threads}, torch {torch.__version__}; {len(weights)} matrices, {nbytes / 1e6:.0f} MB; "
           f"read bandwidth {gbs:.1f} GB/s (torch.sum over 1 GiB); floor {nbytes / gbs / 1e6:.1f} ms per pass\n")
 
-    variants = {"torch F.linear": F.linear, "zoo kernels.linear": kernels.linear}
+    # the same matrices packed end to end in reading order (kernels.pack_weights, as the runtime does)
+    holder = torch.nn.ParameterList([torch.nn.Parameter(w.clone(), requires_grad=False) for w in weights])
+    kernels.pack_weights(holder)
+    packed = list(holder)
+    variants = {"torch F.linear": (F.linear, weights), "zoo kernels.linear": (kernels.linear, weights),
+                "zoo kernels.linear, packed": (kernels.linear, packed)}
     rows = []
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in SHAPES}}
@@ -68,8 +74,8 @@ def main(argv=None) -> int:
             assert err < 1e-4 * max(1.0, want.abs().max().item()), f"M={m} {tuple(w.shape)}: error {err}"
         times = defaultdict(list)
         for _ in range(args.rounds):
-            for name, fn in variants.items():
-                times[name].append(_timed(lambda: [fn(xs[w.shape[1]], w) for w in weights]))
+            for name, (fn, ws) in variants.items():
+                times[name].append(_timed(lambda: [fn(xs[w.shape[1]], w) for w in ws]))
         for name, ts in times.items():
             best, med = min(ts), statistics.median(ts)
             rows.append((f"M={m}", name, f"{best * 1e3:.1f}", f"{med * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}",

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from batching import (allocate_kv, assert_close, make_batch, random_prompts, reference_chunks, run_schedule,
                       run_step)
+from kernel_paths import ops  # noqa: F401  (fixture)
 from tiny import load_reference, save_tiny
 from loader import LoadError
 from zoo.build import build_model
@@ -55,6 +56,12 @@ CASES = {
 }
 
 _built: dict[str, tuple] = {}
+
+
+@pytest.fixture(autouse=True)
+def both_paths(ops):
+    """Every test here runs with zoo's native kernels (the runtime's path) and with torch ops."""
+    return ops
 
 
 @pytest.fixture(params=list(CASES))

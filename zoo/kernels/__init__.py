@@ -3,7 +3,9 @@
 Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
 bandwidth when the weights stream from memory (each is used once per step, so nothing stays in cache);
 a layer also costs a dozen small torch ops whose dispatch adds up over 30 layers. `cpu.cpp` has one kernel
-per layer op (see its comments for the layouts); bench/kernels.py measures each against torch.
+per layer op (see its comments for the layouts); bench/kernels.py measures them against torch. Also here:
+`argmax` (greedy sampling), `pack_weights` (the weights end to end in reading order, in huge pages) and
+`huge_empty` (KV caches in huge pages); `zoo.kernels.fused` runs a whole Llama-structured step natively.
 
 Use from a layer:
 
@@ -29,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,7 +39,9 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-std=c++17"]
-SMALL_M = 64  # rows up to which zoo_linear beats torch's sgemm on weights streamed from memory (bench/kernels.py)
+# rows up to which zoo_linear beats torch's sgemm (MKL) on SmolLM2's packed weights, 2 threads: 135 vs 100
+# GFLOP/s at 32 rows, 173 vs 163 at 256, 170 vs 172 at 512 (then MKL leads by ~7%)
+SMALL_M = 256
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -48,10 +53,13 @@ _SIGNATURES = {
     "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
     "zoo_rope": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _I],
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
+    "zoo_argmax": [_P, _L, _L, _L, _P, _I],
+    "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
+                          _P, _P, _L, _P, _P, _L, _P, _P, _I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
 }
-_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int}
+_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
 
@@ -133,12 +141,39 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def _huge_buffer(nbytes: int):
+    """(an anonymous mapping of nbytes rounded up to 2 MB that asks for transparent huge pages, a uint8 tensor
+    over it); (None, a torch.empty tensor) where mmap or madvise is unavailable."""
+    nbytes = max(1, (nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20))
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        return buf, torch.frombuffer(buf, dtype=torch.uint8)
+    except (OSError, ValueError, AttributeError):
+        return None, torch.empty(nbytes, dtype=torch.uint8)
+
+
+def huge_empty(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """name -> an uninitialised CPU tensor of that (shape, dtype), all in one buffer of transparent huge pages
+    (KV caches: fewer TLB misses and page faults when attention walks a block table; each starts on 2 MB)."""
+    sizes = {n: (torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() + (2 << 20) - 1)
+             // (2 << 20) * (2 << 20) for n, (shape, dt) in shapes.items()}
+    _, raw = _huge_buffer(sum(sizes.values()))
+    out, offset = {}, 0
+    for n, (shape, dtype) in shapes.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out[n] = raw[offset:offset + nbytes].view(dtype).view(shape)
+        offset += sizes[n]
+    return out
+
+
 def pack_weights(model: torch.nn.Module) -> int:
     """Move the model's float32 CPU parameters into one buffer, in the order a forward pass reads them.
 
-    A decode step streams every weight once: one long sequential stream is read faster than scattered
-    matrices (hardware prefetchers keep running across matrix boundaries; bench/kernels.py --packed shows
-    it), and the buffer asks for transparent huge pages (fewer TLB misses). Parameters keep their
+    A decode step streams every weight once: matrices laid end to end in reading order stream faster
+    than scattered ones (bench/kernels.py compares both), and the buffer asks for transparent huge pages
+    (fewer TLB misses). Parameters keep their
     objects, names, shapes and ties; only their storage moves (`param.data`). Order: module order, which
     for the decoder models here is execution order, except that embedding tables go last (a tied table
     is read in full only by the LM head, at the end; an embedding lookup reads a few rows).
@@ -160,14 +195,8 @@ def pack_weights(model: torch.nn.Module) -> int:
     align = 16  # floats: each matrix starts on a cache line
     sizes = [(p.numel() + align - 1) // align * align for p in params]
     total = sum(sizes)
-    nbytes = (total * 4 + (2 << 20) - 1) // (2 << 20) * (2 << 20)
-    try:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        arena = torch.frombuffer(buf, dtype=torch.float32)
-    except (OSError, ValueError, AttributeError):
-        buf, arena = None, torch.empty(total)
+    buf, raw = _huge_buffer(total * 4)
+    arena = raw.view(torch.float32)
     offset = 0
     with torch.no_grad():
         for p, size in zip(params, sizes):
@@ -244,17 +273,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], i)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x [N, V] (unit last stride): the first largest index per row, NaN first as torch."""
+    x = _rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def _int(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-_batch_meta: list = [None, None]  # [the last batch seen, its metadata]: every layer of a step shares one batch
+# (a weak reference to the last batch seen, its metadata tensors and with_cache, the metadata): every layer
+# of a step shares one batch
+_batch_meta: list = [lambda: None, None, None]
 
 
 def _metadata(batch, t: int, with_cache: bool) -> tuple:
     """(qsl, seq_lens, slots, tables) as int32 / int32 / int64 / int32 contiguous, checked once per batch."""
-    if _batch_meta[0] is batch and _batch_meta[1][0] == with_cache:
-        return _batch_meta[1][1]
+    key = (batch.query_start_loc, batch.seq_lens, batch.slot_mapping, batch.block_tables, with_cache)
+    if _batch_meta[0]() is batch and all(a is b for a, b in zip(_batch_meta[1], key)):
+        return _batch_meta[2]
     qsl, seq_lens = _int(batch.query_start_loc, torch.int32), _int(batch.seq_lens, torch.int32)
     b = seq_lens.shape[0]
     if qsl.shape != (b + 1,):
@@ -267,7 +307,7 @@ def _metadata(batch, t: int, with_cache: bool) -> tuple:
             raise ValueError(f"attention: batch.slot_mapping {tuple(slots.shape)} / block_tables "
                              f"{tuple(tables.shape)} do not fit {t} tokens of {b} requests")
     meta = (qsl, seq_lens, slots, tables)
-    _batch_meta[:] = [batch, (with_cache, meta)]
+    _batch_meta[:] = [weakref.ref(batch), key, meta]  # weak: the batch holds the caches
     return meta
 
 

@@ -13,7 +13,9 @@
 // chunks a worker has claimed: on a machine shared with other processes a descheduled worker costs at
 // most one chunk, where a fork-join barrier (OpenMP) waits for it at every kernel. Every output element is
 // computed by one thread in a fixed order: results do not depend on the thread count.
-#include <sched.h>
+//
+// Contents: Pool; linear (GEMV / small GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; argmax;
+// zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py).
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,7 +28,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -126,10 +128,20 @@ static inline float dot(const float* a, const float* b, long n) {  // fixed orde
 // ---------------------------------------------------------------------------------------------------
 // Pool: run(fn, ctx, n, threads) calls fn(ctx, c) once for every chunk c < n, on the caller and up to
 // threads - 1 workers. state = epoch << 32 | next chunk; a chunk is claimed by a compare-and-swap that
-// also checks the epoch, so a late worker can never run a chunk of a job it did not read. Workers spin
-// briefly between jobs (decode calls kernels every few microseconds), then sleep on a condition variable.
+// also checks the epoch. Publishing a job first closes the current epoch (no chunk claimable) while the
+// job's fields change, then opens the next one: a worker that read an old epoch, or fields caught mid-write,
+// can never claim a chunk. Workers spin briefly between jobs (decode calls kernels every few microseconds),
+// then sleep on a condition variable.
 
 typedef void (*chunk_fn)(const void* ctx, long chunk);
+
+static inline void prefetch_l2(const float* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_prefetch((const char*)p, _MM_HINT_T1);
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
 
 static inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -149,13 +161,8 @@ class Pool {
             return;
         }
         grow(threads - 1);
-        fn_.store(fn, std::memory_order_relaxed);
-        ctx_.store(ctx, std::memory_order_relaxed);
-        n_.store(n, std::memory_order_relaxed);
         active_.store(threads - 1, std::memory_order_relaxed);
-        done_.store(0, std::memory_order_relaxed);
-        uint64_t epoch = (state_.load() >> 32) + 1;
-        state_.store(epoch << 32);  // seq_cst: publishes the job, ordered before the sleepers check
+        uint64_t epoch = publish(fn, ctx, n);
         if (sleepers_.load() > 0) {
             std::lock_guard<std::mutex> lk(mu_);
             cv_.notify_all();
@@ -174,6 +181,17 @@ class Pool {
     std::mutex run_mu_, mu_;
     std::condition_variable cv_;
     int workers_ = 0;
+
+    uint64_t publish(chunk_fn fn, const void* ctx, long n) {
+        uint64_t epoch = state_.load() >> 32;
+        state_.store(((epoch + 1) << 32) | 0xffffffffu);  // closed
+        fn_.store(fn, std::memory_order_relaxed);
+        ctx_.store(ctx, std::memory_order_relaxed);
+        n_.store(n, std::memory_order_relaxed);
+        done_.store(0, std::memory_order_relaxed);
+        state_.store((epoch + 2) << 32);  // open (seq_cst: after the fields, before the sleepers check)
+        return epoch + 2;
+    }
 
     void claim(uint64_t epoch, chunk_fn fn, const void* ctx, long n) {
         uint64_t s = state_.load(std::memory_order_acquire);
@@ -194,7 +212,7 @@ class Pool {
         uint64_t seen = state_.load() >> 32;
         for (;;) {
             uint64_t epoch = state_.load() >> 32;
-            for (long spins = 0; epoch == seen && spins < 20000; spins++) {  // ~100 us
+            for (long spins = 0; epoch == seen && spins < 20000; spins++) {  // well under a millisecond
                 cpu_relax();
                 epoch = state_.load() >> 32;
             }
@@ -236,24 +254,32 @@ static void parallel_for(long n, long grain, int threads, const Body& body) {
     }, &ctx, chunks, threads);
 }
 
-// run body(begin, end) over [0, n) in ranges of `grain` items (one call per chunk)
+// run body(begin, end) over [0, n) in ranges that shrink from n / (2 threads) to `grain` items (multiples of
+// it): few claims while there is much left, small ones at the end so the threads finish together
 template <typename Body>
-static void parallel_ranges(long n, long grain, int threads, const Body& body) {
-    struct Ctx { const Body* body; long n, grain; };
-    Ctx ctx{&body, n, std::max(1L, grain)};
-    long chunks = (n + ctx.grain - 1) / ctx.grain;
+static void parallel_guided(long n, long grain, int threads, const Body& body) {
+    static thread_local std::vector<long> bounds;
+    bounds.assign(1, 0);
+    grain = std::max(1L, grain);
+    for (long at = 0; at < n;) {
+        long left = n - at, size = std::max(grain, (left / (2 * std::max(1, threads)) + grain - 1) / grain * grain);
+        at = std::min(n, at + size);
+        bounds.push_back(at);
+    }
+    struct Ctx { const Body* body; const long* bounds; };
+    Ctx ctx{&body, bounds.data()};
     pool().run([](const void* p, long c) {
         const Ctx* x = (const Ctx*)p;
-        (*x->body)(c * x->grain, std::min(x->n, (c + 1) * x->grain));
-    }, &ctx, chunks, threads);
+        (*x->body)(x->bounds[c], x->bounds[c + 1]);
+    }, &ctx, (long)bounds.size() - 1, threads);
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]); w [N, K] contiguous as in the checkpoint.
 //
-// Few rows (M <= 4): each thread streams its contiguous share of w's rows once, one row at a time (one
-// sequential stream reads at the memory's speed; several interleaved row streams measured 2x slower), and
-// dots it with every row of x (x stays in L1).
+// Few rows (M <= 4): each thread streams ranges of w's rows, one row at a time (one sequential stream reads
+// at the memory's speed; several interleaved row streams measured 2x slower), and dots each row with every
+// row of x (x stays in L1).
 // More rows: x is transposed into panels of 16 rows (8 when M <= 8), xt [K, lanes]; each w element is
 // broadcast against a panel column, so the outputs of one w row for a whole panel accumulate in one vector
 // with no horizontal sums; R = 6 rows of w at a time keep the FMA units busy.
@@ -289,24 +315,32 @@ static void linear_few(const float* x, long M, long ldx, const float* w, long n0
     }
 }
 
-// out[r * LANES + lane] = sum_k w[r, k] xt[k, lane] for R rows of w; V = a vector of LANES floats
+// out[r * LANES + lane] = sum_k w[r, k] xt[k, lane] for R rows of w; V = a vector of LANES floats.
+// Sums run over blocks of 64 k (two interleaved partial sums each) added to a running total: rounding
+// error grows with the block count, not with K (as accurate as torch's sgemm; see tests/test_kernels.py).
 template <typename V, int LANES, int R>
 static inline void panel_rows(const float* xt, const float* w, long K, float* out) {
-    V acc[R][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vsplat<V>(0.0f);
-    long k = 0;
-    for (; k + 2 <= K; k += 2) {
-        V x0 = vload<V>(xt + k * LANES), x1 = vload<V>(xt + (k + 1) * LANES);
-        for (int r = 0; r < R; r++) {
-            acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
-            acc[r][1] = vfma(vsplat<V>(w[r * K + k + 1]), x1, acc[r][1]);
+    V total[R];
+    for (int r = 0; r < R; r++) total[r] = vsplat<V>(0.0f);
+    for (long k0 = 0; k0 < K; k0 += 64) {
+        const long k1 = std::min(K, k0 + 64);
+        V acc[R][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vsplat<V>(0.0f);
+        long k = k0;
+        for (; k + 2 <= k1; k += 2) {
+            V x0 = vload<V>(xt + k * LANES), x1 = vload<V>(xt + (k + 1) * LANES);
+            for (int r = 0; r < R; r++) {
+                acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
+                acc[r][1] = vfma(vsplat<V>(w[r * K + k + 1]), x1, acc[r][1]);
+            }
         }
+        if (k < k1) {
+            V x0 = vload<V>(xt + k * LANES);
+            for (int r = 0; r < R; r++) acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
+        }
+        for (int r = 0; r < R; r++) total[r] = total[r] + (acc[r][0] + acc[r][1]);
     }
-    if (k < K) {
-        V x0 = vload<V>(xt + k * LANES);
-        for (int r = 0; r < R; r++) acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
-    }
-    for (int r = 0; r < R; r++) vstore(out + LANES * r, acc[r][0] + acc[r][1]);
+    for (int r = 0; r < R; r++) vstore(out + LANES * r, total[r]);
 }
 
 // rows n .. n + R - 1 of y for every panel of LANES rows of x
@@ -351,16 +385,17 @@ extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, lon
         }
     }
     const float* xtp = xt.data();
-    // chunks of ~256 KB of w when streaming (one sequential stream each); 48 rows when computing panels
-    long rows = panels ? 48 : std::max(48L, (65536 / std::max(K, 1L)) / 48 * 48);
-    parallel_ranges(N, rows, N * K >= 65536 ? nt : 1, [&](long n0, long n1) {
+    auto body = [&](long n0, long n1) {
         if (!panels)
             linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy);
         else if (lanes == 16)
             linear_panels<v16, 16>(xtp, M, w, n0, n1, K, b, y, ldy);
         else
             linear_panels<v8, 8>(xtp, M, w, n0, n1, K, b, y, ldy);
-    });
+    };
+    // long sequential ranges of w first, small ones last (measured 6% faster at M = 1 than fixed 256 KB
+    // chunks); panels take whole 6-row blocks, and every range covers whole cache lines of y
+    parallel_guided(N, panels ? 48 : 16, N * K >= 65536 ? nt : 1, body);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -427,94 +462,146 @@ extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* ou
             v16 gv = load(g + i);
             store(o + i, (gv / (splat(1.0f) + exp16(-gv))) * load(u + i));
         }
-        for (; i < I; i++) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+        if (i < I) {  // the tail through a padded vector: every element gets the same exp16
+            float gt[16] = {0}, ut[16] = {0}, ot[16];
+            memcpy(gt, g + i, (I - i) * sizeof(float));
+            memcpy(ut, u + i, (I - i) * sizeof(float));
+            v16 gv = load(gt);
+            store(ot, (gv / (splat(1.0f) + exp16(-gv))) * load(ut));
+            memcpy(o + i, ot, (I - i) * sizeof(float));
+        }
     });
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Causal attention over flattened tokens and the paged cache [NB * BS, 2, KV, D] (0 = K, 1 = V).
 //
-// The new tokens' k and v are first written to their slots; then each (token, query head) attends to its
+// The new tokens' k and v are first written to their slots; then each token (one work item) attends to its
 // request's context positions lo .. p (p = its own position; lo = p - window + 1 with a sliding window),
 // read through the request's block table. Without a cache (cache == nullptr) every request is a whole
 // prompt and its context is its own rows of k and v. q/k/v rows are strided ([T, heads, D], unit last stride).
 // The metadata is checked first (nothing is read or written out of bounds); returns 0, or the code of the
 // first problem: 1 query_start_loc, 2 seq_lens, 3 slot_mapping, 4 block_tables.
 
-// scores[j] = (q . k_j) * scale: four context rows at a time (independent chains), q held in registers
-template <int ND>
-static void scores_fixed(const float* q, const float* const* krows, long L, float scale, float* out) {
-    v16 qv[ND];
-    for (int d = 0; d < ND; d++) qv[d] = load(q + 16 * d);
-    long j = 0;
-    for (; j + 4 <= L; j += 4) {
-        const float *k0 = krows[j], *k1 = krows[j + 1], *k2 = krows[j + 2], *k3 = krows[j + 3];
-        v16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1), a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
-        for (int d = 1; d < ND; d++) {
-            a0 = fma16(qv[d], load(k0 + 16 * d), a0);
-            a1 = fma16(qv[d], load(k1 + 16 * d), a1);
-            a2 = fma16(qv[d], load(k2 + 16 * d), a2);
-            a3 = fma16(qv[d], load(k3 + 16 * d), a3);
-        }
-        out[j] = hsum(a0) * scale;
-        out[j + 1] = hsum(a1) * scale;
-        out[j + 2] = hsum(a2) * scale;
-        out[j + 3] = hsum(a3) * scale;
-    }
-    for (; j < L; j++) {
-        v16 a = qv[0] * load(krows[j]);
-        for (int d = 1; d < ND; d++) a = fma16(qv[d], load(krows[j] + 16 * d), a);
-        out[j] = hsum(a) * scale;
-    }
-}
+// Attention for one token and one KV head is done for a group of GS query heads (sharing that KV head) at a
+// time: one pass over the K rows computes GS scores per row, one pass over the V rows accumulates GS outputs
+// (in registers), so each context row is read once per group, not once per head. ND = D / 16 vectors per
+// row; other head sizes take the per-head loops (scores_any / weighted_any).
 
-static void scores_any(const float* q, const float* const* krows, long L, long D, float scale, float* out) {
-    for (long j = 0; j < L; j++) out[j] = dot(q, krows[j], D) * scale;
-}
-
-// out[d] = sum_j p[j] v_j[d]: two rows at a time into two accumulator sets, added at the end
-template <int ND>
-static void weighted_fixed(const float* p, const float* const* vrows, long L, float* out) {
-    v16 a[ND], b[ND];
-    for (int d = 0; d < ND; d++) a[d] = b[d] = splat(0.0f);
-    long j = 0;
-    for (; j + 2 <= L; j += 2) {
-        v16 p0 = splat(p[j]), p1 = splat(p[j + 1]);
-        const float *v0 = vrows[j], *v1 = vrows[j + 1];
-        for (int d = 0; d < ND; d++) {
-            a[d] = fma16(p0, load(v0 + 16 * d), a[d]);
-            b[d] = fma16(p1, load(v1 + 16 * d), b[d]);
+// sc[g * ld + j] = (q_g . k_j) * scale for the GS heads q[g] (each ND vectors) and the L rows krows[j] + at
+template <int GS, int ND>
+static void group_scores(const float* const* q, const float* const* krows, long at, long L, float scale, float* sc,
+                         long ld) {
+    v16 qv[GS][ND];
+    for (int g = 0; g < GS; g++)
+        for (int d = 0; d < ND; d++) qv[g][d] = load(q[g] + 16 * d);
+    for (long j = 0; j < L; j++) {
+        const float* kr = krows[j] + at;
+        v16 kv[ND];
+        for (int d = 0; d < ND; d++) kv[d] = load(kr + 16 * d);
+        for (int g = 0; g < GS; g++) {
+            v16 a = qv[g][0] * kv[0];
+            for (int d = 1; d < ND; d++) a = fma16(qv[g][d], kv[d], a);
+            sc[g * ld + j] = hsum(a) * scale;
         }
     }
-    if (j < L) {
-        v16 p0 = splat(p[j]);
-        for (int d = 0; d < ND; d++) a[d] = fma16(p0, load(vrows[j] + 16 * d), a[d]);
-    }
-    for (int d = 0; d < ND; d++) store(out + 16 * d, a[d] + b[d]);
 }
 
-static void weighted_any(const float* p, const float* const* vrows, long L, long D, float* out) {
+// out[g][:] = sum_j p[g * ld + j] v_j over the L rows vrows[j] + at; summed in blocks of 64 rows, then added
+template <int GS, int ND>
+static void group_weighted(const float* p, long ld, const float* const* vrows, long at, long L, float* const* out) {
+    v16 total[GS][ND];
+    for (int g = 0; g < GS; g++)
+        for (int d = 0; d < ND; d++) total[g][d] = splat(0.0f);
+    for (long j0 = 0; j0 < L; j0 += 64) {
+        const long j1 = std::min(L, j0 + 64);
+        v16 acc[GS][ND];
+        for (int g = 0; g < GS; g++)
+            for (int d = 0; d < ND; d++) acc[g][d] = splat(0.0f);
+        for (long j = j0; j < j1; j++) {
+            const float* vr = vrows[j] + at;
+            v16 vv[ND];
+            for (int d = 0; d < ND; d++) vv[d] = load(vr + 16 * d);
+            for (int g = 0; g < GS; g++) {
+                v16 pj = splat(p[g * ld + j]);
+                for (int d = 0; d < ND; d++) acc[g][d] = fma16(pj, vv[d], acc[g][d]);
+            }
+        }
+        for (int g = 0; g < GS; g++)
+            for (int d = 0; d < ND; d++) total[g][d] = total[g][d] + acc[g][d];
+    }
+    for (int g = 0; g < GS; g++)
+        for (int d = 0; d < ND; d++) store(out[g] + 16 * d, total[g][d]);
+}
+
+static void scores_any(const float* q, const float* const* krows, long at, long L, long D, float scale, float* out) {
+    for (long j = 0; j < L; j++) out[j] = dot(q, krows[j] + at, D) * scale;
+}
+
+static void weighted_any(const float* p, const float* const* vrows, long at, long L, long D, float* out) {
     for (long d = 0; d < D; d++) out[d] = 0.0f;
     for (long j = 0; j < L; j++)
-        for (long d = 0; d < D; d++) out[d] = std::fma(p[j], vrows[j][d], out[d]);
+        for (long d = 0; d < D; d++) out[d] = std::fma(p[j], vrows[j][at + d], out[d]);
 }
 
-static void scores(const float* q, const float* const* krows, long L, long D, float scale, float* out) {
+template <int GS>
+static bool group_scores_d(long D, const float* const* q, const float* const* krows, long at, long L, float scale,
+                           float* sc, long ld) {
     switch (D) {
-        case 32: scores_fixed<2>(q, krows, L, scale, out); break;
-        case 64: scores_fixed<4>(q, krows, L, scale, out); break;
-        case 128: scores_fixed<8>(q, krows, L, scale, out); break;
-        default: scores_any(q, krows, L, D, scale, out);
+        case 32: group_scores<GS, 2>(q, krows, at, L, scale, sc, ld); return true;
+        case 64: group_scores<GS, 4>(q, krows, at, L, scale, sc, ld); return true;
+        case 128: group_scores<GS, 8>(q, krows, at, L, scale, sc, ld); return true;
+        default: return false;
     }
 }
 
-static void weighted(const float* p, const float* const* vrows, long L, long D, float* out) {
+template <int GS>
+static bool group_weighted_d(long D, const float* p, long ld, const float* const* vrows, long at, long L,
+                             float* const* out) {
     switch (D) {
-        case 32: weighted_fixed<2>(p, vrows, L, out); break;
-        case 64: weighted_fixed<4>(p, vrows, L, out); break;
-        case 128: weighted_fixed<8>(p, vrows, L, out); break;
-        default: weighted_any(p, vrows, L, D, out);
+        case 32: group_weighted<GS, 2>(p, ld, vrows, at, L, out); return true;
+        case 64: group_weighted<GS, 4>(p, ld, vrows, at, L, out); return true;
+        case 128: group_weighted<GS, 8>(p, ld, vrows, at, L, out); return true;
+        default: return false;
     }
+}
+
+// the scores of gs <= 4 heads, with the fixed-size variants when D has one
+static void scores_pass(int gs, long D, const float* const* q, const float* const* krows, long at, long L,
+                        float scale, float* sc, long ld) {
+    bool done = gs == 1   ? group_scores_d<1>(D, q, krows, at, L, scale, sc, ld)
+                : gs == 2 ? group_scores_d<2>(D, q, krows, at, L, scale, sc, ld)
+                : gs == 3 ? group_scores_d<3>(D, q, krows, at, L, scale, sc, ld)
+                          : group_scores_d<4>(D, q, krows, at, L, scale, sc, ld);
+    if (!done)
+        for (int g = 0; g < gs; g++) scores_any(q[g], krows, at, L, D, scale, sc + g * ld);
+}
+
+static void weighted_pass(int gs, long D, const float* p, long ld, const float* const* vrows, long at, long L,
+                          float* const* out) {
+    bool done = gs == 1   ? group_weighted_d<1>(D, p, ld, vrows, at, L, out)
+                : gs == 2 ? group_weighted_d<2>(D, p, ld, vrows, at, L, out)
+                : gs == 3 ? group_weighted_d<3>(D, p, ld, vrows, at, L, out)
+                          : group_weighted_d<4>(D, p, ld, vrows, at, L, out);
+    if (!done)
+        for (int g = 0; g < gs; g++) weighted_any(p + g * ld, vrows, at, L, D, out[g]);
+}
+
+// in place: row r [Lp] (L scores, then padding) -> softmax probabilities, padding 0
+static void softmax_row(float* r, long L, long Lp, float softcap) {
+    if (softcap > 0.0f)
+        for (long j = 0; j < L; j++) r[j] = std::tanh(r[j] / softcap) * softcap;
+    for (long j = L; j < Lp; j++) r[j] = -INFINITY;  // exp gives exactly 0
+    v16 mv = splat(-INFINITY);
+    for (long j = 0; j < Lp; j += 16) mv = load(r + j) > mv ? load(r + j) : mv;
+    v16 mx = splat(hmax(mv)), sv = splat(0.0f);
+    for (long j = 0; j < Lp; j += 16) {
+        v16 e = exp16(load(r + j) - mx);
+        store(r + j, e);
+        sv = sv + e;
+    }
+    v16 inv = splat(1.0f / hsum(sv));
+    for (long j = 0; j < Lp; j += 16) store(r + j, load(r + j) * inv);
 }
 
 static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const float* cache, long nb,
@@ -557,22 +644,23 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
         }
     long work = 0;  // context rows read, to decide whether a second thread pays
     for (long b = 0; b < B; b++) work += (long)(qsl[b + 1] - qsl[b]) * seq_lens[b];
-    // one item = one token and one KV head: its G query heads read each context row once
-    parallel_for(T * KV, 1, work * KV * D >= 32768 ? nt : 1, [&](long it) {
+    // one item = one token: its context rows (all KV heads of a slot are adjacent) are walked head by head,
+    // so after the first head the rows come from this core's cache
+    parallel_for(T, 1, work * KV * D >= 32768 ? nt : 1, [&](long t) {
         static thread_local std::vector<float> sc;
-        static thread_local std::vector<const float*> krows, vrows;
-        const long t = it / KV, kh = it % KV, b = req[t];
+        static thread_local std::vector<const float*> rows;
+        const long b = req[t];
         const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
         const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
         const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
-        sc.resize(Lp);
-        krows.resize(L);
-        vrows.resize(L);
-        if (cache) {  // walk the block table once: one division per block, not per row
+        rows.resize(2 * L);
+        const float** krows = rows.data();
+        const float** vrows = krows + L;
+        if (cache) {  // slot rows, walking the block table once: one division per block, not per row
             const int32_t* table = tables + b * max_blocks;
             for (long c = lo; c <= p;) {
                 long off = c % bs, n = std::min(bs - off, p + 1 - c);
-                const float* base = cache + ((long)table[c / bs] * bs + off) * row + kh * D;
+                const float* base = cache + ((long)table[c / bs] * bs + off) * row;
                 for (long i = 0; i < n; i++) {
                     krows[c - lo + i] = base + i * row;
                     vrows[c - lo + i] = base + i * row + KV * D;
@@ -581,29 +669,136 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
             }
         } else {
             for (long c = lo; c <= p; c++) {
-                krows[c - lo] = k + (qsl[b] + c) * k_st + kh * k_sh;
-                vrows[c - lo] = v + (qsl[b] + c) * v_st + kh * v_sh;
+                krows[c - lo] = k + (qsl[b] + c) * k_st;
+                vrows[c - lo] = v + (qsl[b] + c) * v_st;
             }
         }
+        if (cache && t == qsl[b]) {  // a request's first token of the step: its cached context (K and V of
+            // every head, up to 256 KB) towards L2 in one burst, so the passes below find it there or in
+            // flight (measured 10-20% faster on decode); later tokens of a chunk share these rows
+            const long burst = std::min(L, std::max(1L, 65536 / row));
+            for (long j = 0; j < burst; j++)
+                for (long off = 0; off < row; off += 16) prefetch_l2(krows[j] + off);
+        }
+        const long k_head = cache ? D : k_sh, v_head = cache ? D : v_sh;  // stride between KV heads of a row
+        sc.resize(std::min(G, 4L) * Lp);
         float* r = sc.data();
-        for (long g = 0; g < G; g++) {
-            const long h = kh * G + g;
-            scores(q + t * q_st + h * q_sh, krows.data(), L, D, scale, r);
-            if (softcap > 0.0f)
-                for (long j = 0; j < L; j++) r[j] = std::tanh(r[j] / softcap) * softcap;
-            for (long j = L; j < Lp; j++) r[j] = -INFINITY;  // padding: exp gives exactly 0
-            v16 mv = splat(-INFINITY);
-            for (long j = 0; j < Lp; j += 16) mv = load(r + j) > mv ? load(r + j) : mv;
-            v16 mx = splat(hmax(mv)), sv = splat(0.0f);
-            for (long j = 0; j < Lp; j += 16) {
-                v16 e = exp16(load(r + j) - mx);
-                store(r + j, e);
-                sv = sv + e;
+        for (long kh = 0; kh < KV; kh++) {
+            for (long g0 = 0; g0 < G; g0 += 4) {  // query heads kh * G + g0 .. in groups of up to 4
+                const int gs = (int)std::min(4L, G - g0);
+                const float* qs[4];
+                float* os[4];
+                for (int g = 0; g < gs; g++) {
+                    qs[g] = q + t * q_st + (kh * G + g0 + g) * q_sh;
+                    os[g] = out + (t * H + kh * G + g0 + g) * D;
+                }
+                scores_pass(gs, D, qs, krows, kh * k_head, L, scale, r, Lp);
+                for (int g = 0; g < gs; g++) softmax_row(r + g * Lp, L, Lp, softcap);
+                weighted_pass(gs, D, r, Lp, vrows, kh * v_head, L, os);
             }
-            v16 inv = splat(1.0f / hsum(sv));
-            for (long j = 0; j < Lp; j += 16) store(r + j, load(r + j) * inv);
-            weighted(r, vrows.data(), L, D, out + (t * H + h) * D);
         }
     });
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Greedy sampling: out[i] = the first index of the largest value of row i of x [N, V] (row stride ld), as
+// torch.argmax; a row holding a NaN gets the index of its first NaN (torch ranks NaN above everything).
+
+extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out, int nt) {
+    parallel_for(N, 1, N * V >= 65536 ? nt : 1, [&](long i) {
+        const float* r = x + i * ld;
+        v16 best = splat(-INFINITY);
+        i16 at = (i16){} + 0, lane = (i16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        i16 nan = (i16){} + 0;
+        long j = 0;
+        for (; j + 16 <= V; j += 16) {
+            v16 v = load(r + j);
+            i16 gt = v > best;  // strict: the earliest index keeps a tie
+            best = gt ? v : best;
+            at = gt ? lane + (int32_t)j : at;
+            nan |= v != v;
+        }
+        bool has_nan = false;
+        for (int l = 0; l < 16; l++) has_nan |= nan[l] != 0;
+        long found = 0;
+        float m = -INFINITY;
+        if (j > 0) {  // lanes hold the first maximum of their residue class: the largest, then the earliest
+            m = best[0], found = at[0];
+            for (int l = 1; l < 16; l++)
+                if (best[l] > m || (best[l] == m && at[l] < found)) m = best[l], found = at[l];
+        }
+        for (; j < V; j++) {
+            if (r[j] > m || (j == 0)) m = r[j], found = j;
+            has_nan |= std::isnan(r[j]);
+        }
+        if (has_nan)
+            for (long k = 0; k < V; k++)
+                if (std::isnan(r[k])) {
+                    found = k;
+                    break;
+                }
+        out[i] = found;
+    });
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// A whole forward pass of a Llama-structured decoder (zoo/kernels/fused.py decides which models qualify and
+// passes their weights): the kernels above in the order the modules call them, with no Python between
+// layers. The results equal the module path with kernels on, bit for bit (same kernels, same inputs; the
+// residual adds round the same). Used for steps of at most kernels.SMALL_M tokens; returns 0, an attention
+// error code, or 5 when a token id is outside the embedding table.
+
+struct LayerWeights {
+    const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
+    float* cache;  // [NB, BS, 2, KV, D]
+    long window;   // sliding window, 0 = none
+};
+
+extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
+                                 const LayerWeights* layers, long nl, long H, long KV, long D, long I, float eps,
+                                 float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
+                                 long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                                 long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
+                                 const float* final_norm, const int64_t* rows, long N, const float* head,
+                                 float* logits, int nt) {
+    for (long t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return 5;
+    for (long t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= table_len) return 2;
+    static thread_local std::vector<float> buf;
+    const long nqkv = (H + 2 * KV) * D;
+    buf.resize(T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * Hd);
+    float* hidden = buf.data();        // [T, Hd] the residual stream
+    float* x = hidden + T * Hd;        // [T, Hd] normed
+    float* h = x + T * Hd;             // [T, Hd] a block's output
+    float* qkv = h + T * Hd;           // [T, (H + 2 KV) D]
+    float* qr = qkv + T * nqkv;        // [T, H, D] rotated q
+    float* kr = qr + T * H * D;        // [T, KV, D] rotated k
+    float* att = kr + T * KV * D;      // [T, H D]
+    float* gu = att + T * H * D;       // [T, 2 I]
+    float* act = gu + T * 2 * I;       // [T, I]
+    float* last = act + T * I;         // [N, Hd] the sampled rows, normed
+    for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
+    for (long l = 0; l < nl; l++) {
+        const LayerWeights& w = layers[l];
+        zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
+        zoo_linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt);
+        zoo_rope(qkv, nqkv, D, H, qr, qkv + H * D, nqkv, D, KV, kr, T, D, pos, cos, sin, table_len, F, nt);
+        int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
+                                nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
+        if (bad) return bad;
+        zoo_linear(att, T, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt);
+        for (long i = 0; i < T * Hd; i++) hidden[i] = hidden[i] + h[i];
+        zoo_rms_norm(hidden, T, Hd, Hd, w.ln2, eps, 0, x, nt);
+        zoo_linear(x, T, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt);
+        zoo_silu_mul(gu, T, I, 2 * I, act, nt);
+        zoo_linear(act, T, I, w.down, Hd, I, w.down_bias, h, Hd, nt);
+        for (long i = 0; i < T * Hd; i++) hidden[i] = hidden[i] + h[i];
+    }
+    for (long r = 0; r < N; r++) memcpy(x + r * Hd, hidden + rows[r] * Hd, Hd * sizeof(float));
+    zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, 0, last, nt);
+    zoo_linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt);
     return 0;
 }

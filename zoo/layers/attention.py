@@ -1,4 +1,4 @@
-"""Causal attention over flattened tokens, reading and writing the paged KV cache (pure torch).
+"""Causal attention over flattened tokens, reading and writing the paged KV cache (torch, or a native kernel).
 
 Shape legend:
     T = tokens of the step (all requests)    B = requests     H = query heads    KV = key/value heads

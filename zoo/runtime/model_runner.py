@@ -5,9 +5,14 @@ Shape legend (as in zoo/runtime/batch.py):
     T = tokens this step   B = requests this step   N = requests that sample   MB = max blocks of one request
 
 Metadata is built once per step in plain Python lists (a decode step has T = B entries) and becomes one
-tensor per ForwardBatch field: no per-request tensor ops. On the CPU in float32 the weights are packed
-into one buffer in the order a step reads them (zoo.kernels.pack_weights) when the native kernels are on.
-`last_timings` holds the seconds each phase of the latest step took (bench/generate.py reports them).
+tensor per ForwardBatch field: no per-request tensor ops. On the CPU with the native kernels on
+(zoo.kernels; ZOO_FAST=0 turns them off): the float32 weights are packed into one buffer in the order a
+step reads them (kernels.pack_weights), the KV caches live in transparent huge pages (kernels.huge_empty),
+and steps of up to kernels.SMALL_M tokens of a Llama-structured model run as one native call
+(zoo.kernels.fused: the same kernels as the module path, equal logits bit for bit, no per-layer Python);
+other steps, other models and hooked models (parity taps) run the modules.
+`last_timings` holds the seconds each phase of the latest step took, and its requests and tokens
+(bench/generate.py reports them).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Callable
 import torch
 
 from zoo import kernels
+from zoo.kernels.fused import FusedDecoder
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
 from zoo.runtime.request import Request
@@ -30,12 +36,18 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(specs, num_blocks, block_size, self.device)
+        native = self.device.type == "cpu" and kernels.enabled()
+        if native:  # the same tensors, in transparent huge pages
+            self.kv_caches = kernels.huge_empty({p: ((num_blocks, block_size, *s.per_token), s.dtype)
+                                                 for p, s in specs.items()})
+        else:
+            self.kv_caches = allocate_kv_caches(specs, num_blocks, block_size, self.device)
         self.sampler = Sampler()
         # Called with (sampling requests, raw logits [N, V]) every step: parity tests and debugging.
         self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
-        self.last_timings: dict[str, float] = {}  # prepare / forward / logits / sample seconds of the last step
-        self.packed_bytes = kernels.pack_weights(model) if self.device.type == "cpu" and kernels.enabled() else 0
+        self.last_timings: dict[str, float] = {}  # seconds of prepare / forward / logits / sample; requests, tokens
+        self.packed_bytes = kernels.pack_weights(model) if native else 0
+        self.fused = FusedDecoder.build(model, self.kv_caches) if native else None
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         bs = self.block_size
@@ -81,16 +93,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, batch = self.prepare(out, kv)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, batch)  # [T, H]
-        t2 = time.perf_counter()
         reqs = [s.request for s in out.scheduled if s.samples]
+        shape = dict(requests=len(out.scheduled), tokens=len(input_ids))
+        if self.fused is not None and self.fused.usable(input_ids, batch):
+            logits = self.fused(input_ids, positions, batch)  # [N, V], forward and head in one call
+            t2 = t3 = time.perf_counter()
+        else:
+            hidden = self.model(input_ids, positions, batch)  # [T, H]
+            t2 = time.perf_counter()
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if reqs else None  # [N, V]
+            t3 = time.perf_counter()
         if not reqs:
-            self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=0.0, sample=0.0)
+            self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=0.0, **shape)
             return [], None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
-        t3 = time.perf_counter()
         if self.logits_hook is not None:
             self.logits_hook(reqs, logits)
         sampled = self.sampler(logits, reqs)
-        self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=time.perf_counter() - t3)
+        self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=time.perf_counter() - t3,
+                                 **shape)
         return reqs, sampled

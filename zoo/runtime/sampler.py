@@ -7,6 +7,8 @@ Everything is batched over the N rows with tensor ops; the only per-request work
 small parameter tensors and drawing seeded rows' noise from their own generator. Sampling uses the
 exponential race: argmax(probs / q), q ~ Exp(1) per entry, which draws from `probs`. A seeded request
 draws its V exponentials from its own torch.Generator, so its tokens do not depend on the batch.
+All-greedy steps without penalties (the common case) cost one argmax: zoo.kernels.argmax on float32 CPU
+logits (torch's argmax over [N, V] is several times slower and wakes torch's thread pool mid-step).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoo import kernels
 from zoo.runtime.request import Request
 
 
@@ -104,7 +107,7 @@ class Sampler:
         raw = logits.float()
         processed = self.process(raw, reqs)  # [N, V]
         greedy = [r.sampling_params.greedy for r in reqs]
-        tokens = processed.argmax(-1)  # [N]
+        tokens = kernels.argmax(processed) if kernels.fast(processed) else processed.argmax(-1)  # [N]
         if not all(greedy):
             probs = processed.softmax(-1)  # [N, V]
             q = torch.empty_like(probs).exponential_(generator=self.generator)  # [N, V]

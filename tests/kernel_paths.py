@@ -1,0 +1,33 @@
+"""Fixtures that run a test on both paths of the layers: zoo's native kernels and plain torch ops.
+
+    from kernel_paths import ops  # noqa: F401   (pytest finds fixtures imported into a test module)
+
+    def test_something(ops): ...              # runs as test_something[kernels] and test_something[torch]
+
+On the kernels path grad mode is off (the layers take their native path only without autograd, as in the
+runtime); on the torch path the kernels are switched off. ZOO_FAST=0 in the environment skips the kernels
+runs; a kernels run on a machine where the library does not build fails, naming why.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zoo import kernels
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def ops(request):
+    on = request.param == "kernels"
+    if on and os.environ.get("ZOO_FAST") == "0":
+        pytest.skip("ZOO_FAST=0: native kernels switched off")
+    previous = kernels.set_enabled(on)
+    try:
+        if on and not kernels.enabled():
+            pytest.fail("zoo's native kernels did not build (see the RuntimeWarning); set ZOO_FAST=0 to skip")
+        with torch.set_grad_enabled(not on):
+            yield request.param
+    finally:
+        kernels.set_enabled(previous)

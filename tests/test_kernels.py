@@ -1,0 +1,286 @@
+"""zoo.kernels (the native CPU kernels) against torch: each kernel on the shapes and edge cases that pick its
+code paths, on one and on two threads (results must not depend on the thread count), the metadata checks
+that keep a bad batch from reading outside its buffers, and weight packing.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zoo import kernels
+from zoo.layers.attention import Attention
+from zoo.layers.linear import Linear
+from zoo.runtime.batch import ForwardBatch
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="zoo's native kernels are off or did not build")
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture
+def threads():
+    """Run the body with 2 threads (the pool's workers join), restoring the suite's count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def twice(fn):
+    """fn() on one thread and on two: the results must be equal bit for bit."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        two = fn()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), "the result depends on the thread count"
+    return one
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 200, 257])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 13), (100, 40), (1000, 1)])
+def test_linear_matches_torch(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        got = twice(lambda: kernels.linear(x, w, bias))
+        exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch_err = (F.linear(x, w, bias) - exact).abs().max().item()
+        assert (got - exact).abs().max().item() <= 2 * torch_err + 1e-6, "less accurate than torch's sgemm"
+
+
+def test_linear_takes_strided_rows_and_leading_dims():
+    x = torch.randn(3, 4, 2 * 24)[..., ::2]  # [3, 4, 24], last stride 2: copied to rows
+    w = torch.randn(10, 24)
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(6, 30)[:, :24]  # row stride 30, unit last stride: used in place
+    torch.testing.assert_close(kernels.linear(rows, w), F.linear(rows, w), rtol=1e-5, atol=1e-5)
+    wt = torch.randn(24, 10).t()  # a non-contiguous weight goes to torch
+    torch.testing.assert_close(kernels.linear(rows, wt), F.linear(rows, wt))
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_matches_torch(gemma):
+    x, w = torch.randn(70, 3, 576) * 3, torch.randn(576)
+    r = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = r * (1 + w) if gemma else w * r
+    got = twice(lambda: kernels.rms_norm(x, w, 1e-5, gemma=gemma))
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("i", [1536, 37])
+def test_silu_mul_matches_torch(i):
+    gu = torch.randn(40, 2 * i) * 4
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps
+    got = twice(lambda: kernels.silu_mul(gu))
+    torch.testing.assert_close(got, F.silu(gu[:, :i]) * gu[:, i:], rtol=2e-6, atol=1e-6)
+
+
+def test_argmax_matches_torch_on_ties_nan_and_infinities():
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 5, 16, 17, 33, 49152):
+        rows = [torch.randn(v, generator=g), torch.randint(0, 3, (v,), generator=g).float(),  # ties
+                torch.full((v,), float("-inf")), torch.full((v,), float("inf"))]
+        nan = torch.randn(v, generator=g)
+        nan[v // 2] = float("nan")
+        x = torch.stack(rows + [nan])
+        assert torch.equal(twice(lambda: kernels.argmax(x)), x.argmax(-1)), v
+
+
+def test_rotary_rejects_a_position_outside_the_table():
+    cos = sin = torch.ones(8, 4)
+    q, k = torch.randn(2, 3, 8), torch.randn(2, 1, 8)
+    with pytest.raises(IndexError, match="token 1 has position 8, outside the cos/sin table of 8 positions"):
+        kernels.rotary(q, k, torch.tensor([0, 8]), cos, sin)
+
+
+def paged_step(rng, lengths, done, cache, blocks, bs):
+    """A ForwardBatch where request r brings tokens done[r] .. lengths[r] - 1."""
+    starts, seq, slots, pos = [0], [], [], []
+    for r, n in enumerate(lengths):
+        new = range(done[r], n)
+        pos += list(new)
+        slots += [blocks[r][p // bs] * bs + p % bs for p in new]
+        starts.append(starts[-1] + len(new))
+        seq.append(n)
+    width = max(len(b) for b in blocks)
+    tables = [b + [0] * (width - len(b)) for b in blocks]
+    return ForwardBatch(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq, dtype=torch.int32),
+        positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(tables, dtype=torch.int32), logits_indices=torch.tensor([0]),
+        kv_caches={"attn": cache}, block_size=bs, query_start_loc_cpu=starts, seq_lens_cpu=seq)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 128])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0)])
+def test_attention_matches_the_torch_path(d, window, softcap):
+    """Prefill of three ragged prompts, then a step mixing decodes and a chunk: the kernel equals the torch
+    path (per-request SDPA over the same paged cache) on every head size it specialises, GQA 6 / 2."""
+    rng = random.Random(d)
+    bs, h, kvh = 4, 6, 2
+    attn = Attention(num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5, sliding_window=window,
+                     softcap=softcap, prefix="attn")
+    order = list(range(40))
+    rng.shuffle(order)
+    blocks = [order[0:10], order[10:20], order[20:30]]
+    caches = {path: torch.full((40, bs, 2, kvh, d), float("nan")) for path in ("kernels", "torch")}
+    done = [0, 0, 0]
+    for lengths in ([9, 3, 17], [10, 11, 18]):
+        t = sum(n - a for n, a in zip(lengths, done))
+        q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+        out = {}
+        for path, cache in caches.items():
+            kernels.set_enabled(path == "kernels")
+            try:
+                out[path] = attn(q, k, v, cache, paged_step(rng, lengths, done, cache, blocks, bs))
+            finally:
+                kernels.set_enabled(True)
+        torch.testing.assert_close(out["kernels"], out["torch"], rtol=1e-5, atol=1e-5)
+        done = lengths
+    written = ~caches["torch"].isnan()
+    assert torch.equal(written, ~caches["kernels"].isnan()) and torch.equal(
+        caches["kernels"][written], caches["torch"][written]), "the kernel wrote other cache slots"
+
+
+def test_attention_is_the_same_on_two_threads():
+    rng = random.Random(0)
+    cache = torch.zeros(40, 4, 2, 3, 64)
+    batch = paged_step(rng, [30, 7, 21], [0, 0, 0], cache, [list(range(0, 10)), list(range(10, 20)),
+                                                            list(range(20, 30))], 4)
+    q, k, v = torch.randn(58, 9, 64), torch.randn(58, 3, 64), torch.randn(58, 3, 64)
+    twice(lambda: kernels.attention(q, k, v, cache, batch, scale=0.125, sliding_window=None, softcap=None))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("slot_mapping", torch.tensor([0, 1, 4000]), "slot_mapping"),
+    ("block_tables", torch.tensor([[0, 99]], dtype=torch.int32), "block_tables"),
+    ("seq_lens", torch.tensor([2], dtype=torch.int32), "seq_lens"),
+    ("query_start_loc", torch.tensor([0, 2], dtype=torch.int32), "query_start_loc"),
+])
+def test_attention_refuses_metadata_outside_its_buffers(field, value, match):
+    cache = torch.zeros(4, 4, 2, 1, 16)
+    fields = dict(query_start_loc=torch.tensor([0, 3], dtype=torch.int32), seq_lens=torch.tensor([6], dtype=torch.int32),
+                  positions=torch.arange(3, 6), slot_mapping=torch.tensor([3, 4, 5]),
+                  block_tables=torch.tensor([[0, 1]], dtype=torch.int32), logits_indices=torch.tensor([2]))
+    fields[field] = value
+    batch = ForwardBatch(**fields, kv_caches={"a": cache}, block_size=4, query_start_loc_cpu=[0, 3], seq_lens_cpu=[6])
+    q = k = v = torch.randn(3, 1, 16)
+    with pytest.raises(ValueError, match=match):
+        kernels.attention(q, k, v, cache, batch, scale=0.25, sliding_window=None, softcap=None)
+
+
+def test_pack_weights_keeps_values_ties_and_outputs():
+    from tiny import save_tiny
+    from zoo.build import build_model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp, tie_word_embeddings=True))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.tensor([3, 5, 7, 11])
+    batch = ForwardBatch(query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+                         seq_lens=torch.tensor([4], dtype=torch.int32), positions=torch.arange(4),
+                         slot_mapping=torch.arange(4), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                         logits_indices=torch.tensor([3]), query_start_loc_cpu=[0, 4], seq_lens_cpu=[4])
+    want = model.compute_logits(model(ids, batch.positions, batch))
+    packed = kernels.pack_weights(model)
+    assert packed == sum((p.numel() + 15) // 16 * 16 * 4 for p in model.parameters())
+    assert kernels.pack_weights(model) == packed  # a second call changes nothing
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    last = max(p.data_ptr() for p in model.parameters())
+    assert model.model.embed_tokens.weight.data_ptr() == last, "the table read by the tied head is packed last"
+    assert torch.equal(model.compute_logits(model(ids, batch.positions, batch)), want)
+
+
+def test_switched_off_layers_compute_with_torch():
+    lin = Linear(24, 10)
+    lin.weight.data = torch.randn(10, 24)
+    x = torch.randn(3, 24)
+    previous = kernels.set_enabled(False)
+    try:
+        assert not kernels.fast(x) and torch.equal(lin(x), F.linear(x, lin.weight))
+    finally:
+        kernels.set_enabled(previous)
+    assert kernels.fast(x)
+    with torch.enable_grad():
+        assert not kernels.fast(x)  # autograd always takes torch's ops
+
+
+# -- the fused decoder (one native call per step) ------------------------------------------------------
+
+FUSED_ARCHS = {  # arch -> (config overrides, whether the driver takes it)
+    "LlamaForCausalLM": (dict(tie_word_embeddings=True), True),
+    "MistralForCausalLM": (dict(sliding_window=5), True),
+    "Qwen2ForCausalLM": (dict(), True),  # q/k/v bias
+    "Qwen3ForCausalLM": (dict(head_dim=16), False),  # q/k norms
+    "Gemma3ForCausalLM": (dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5), False),
+}
+
+
+@pytest.mark.parametrize("arch", list(FUSED_ARCHS))
+def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
+    """Prefill through the modules, then ragged decode and chunk steps both ways on copies of the cache:
+    equal logits and equal caches, to the bit; models the driver does not know are left to the modules."""
+    from batching import allocate_kv, make_batch
+    from tiny import save_tiny
+    from zoo.build import build_model
+    from zoo.kernels.fused import FusedDecoder
+
+    overrides, qualifies = FUSED_ARCHS[arch]
+    model, *_ = build_model(save_tiny(arch, tmp_path, initializer_range=0.2, **overrides))
+    kernels.pack_weights(model)
+    kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)
+    assert (FusedDecoder.build(model, kv) is not None) == qualifies
+    if not qualifies:
+        return
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    ids, batch = make_batch([(p[:6], 0) for p in prompts], kv, all_logits=False)
+    model(ids, batch.positions, batch)  # a prefill of 6 tokens each, through the modules
+    mine = {k: v.clone() for k, v in kv.items()}
+    fused = FusedDecoder.build(model, mine)  # bound to its own copy of the caches
+    for step, (cut, done) in enumerate([(7, 6), (8, 7), (12, 8)]):  # decodes, then chunks of up to 4
+        seqs = [(p[:min(cut, len(p))], min(done, len(p) - 1)) for p in prompts]
+        ids, batch = make_batch(seqs, kv, all_logits=False)
+        want = model.compute_logits(model(ids, batch.positions, batch)[batch.logits_indices])
+        ids, batch = make_batch(seqs, mine, all_logits=False)
+        assert fused.usable(ids, batch)
+        assert torch.equal(fused(ids, batch.positions, batch), want), f"step {step}"
+        assert all(torch.equal(kv[k], mine[k]) for k in kv), f"step {step}: the caches differ"
+
+
+def test_fused_decoder_steps_aside_for_hooks_and_long_steps(tmp_path):
+    from batching import allocate_kv, make_batch
+    from tiny import save_tiny
+    from zoo.build import build_model
+    from zoo.kernels.fused import FusedDecoder
+
+    model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp_path))
+    kv = allocate_kv(model, num_blocks=kernels.SMALL_M // 4 + 1, block_size=4, fill=0.0)
+    fused = FusedDecoder.build(model, kv)
+    ids, batch = make_batch([([5] * 8, 7)], kv, all_logits=False)
+    assert fused.usable(ids, batch)
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a parity tap
+    assert not fused.usable(ids, batch)
+    handle.remove()
+    long_ids, long_batch = make_batch([([5] * (kernels.SMALL_M + 1), 0)], kv, all_logits=False,
+                                      blocks_per_seq=kernels.SMALL_M // 4 + 1)
+    assert not fused.usable(long_ids, long_batch)  # prefill: torch's sgemm through the modules
+    previous = kernels.set_enabled(False)
+    try:
+        assert not fused.usable(ids, batch)
+    finally:
+        kernels.set_enabled(previous)

@@ -1,0 +1,161 @@
+"""One native call per step for Llama-structured decoders: `zoo_llama_forward` in cpu.cpp.
+
+On the CPU a decode step of a small model spends as long in Python between kernels (module calls, views,
+residual adds, wrappers: ~60 calls per layer) as the weights take to stream; this runs the same kernels in
+the same order from C++ and returns the sampled rows' logits, equal bit for bit to
+`model.compute_logits(model(ids, positions, batch)[batch.logits_indices])` with the kernels on.
+
+    fused = FusedDecoder.build(model, kv_caches)     # None when the model does not qualify
+    if fused is not None and fused.usable(input_ids, batch):
+        logits = fused(input_ids, positions, batch)  # [N, V]
+
+Qualifies: a model assembled from the Llama plugin's classes with their own forward methods (Llama, and
+Mistral / Qwen2, which change only what the attention is built with: sliding windows, q/k/v bias), plain
+RMSNorm with one eps, SiLU gated MLPs, no q/k norms, no attention softcap, no embedding scale, a rope type
+whose table does not depend on the context length, float32 CPU weights. A step qualifies when it has at
+most kernels.SMALL_M tokens and no forward hook is registered (parity taps see every module). Shape
+legend: T tokens, N sampled rows, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.modules.module as _module
+
+from zoo import kernels
+from zoo.layers.attention import Attention
+from zoo.layers.embedding import LMHead, VocabEmbedding
+from zoo.layers.linear import Linear, MergedLinear, QKVLinear
+from zoo.layers.mlp import GatedMLP
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rotary import RotaryEmbedding
+
+# qualified names of the methods the C++ driver reproduces, all defined in _PLUGIN (checked by name: zoo does
+# not import plugins)
+_FORWARDS = {
+    "model": ("LlamaForCausalLM.forward", "LlamaForCausalLM.compute_logits"),
+    "model.model": ("LlamaModel.forward", "LlamaModel.embed"),
+    "layer": ("LlamaDecoderLayer.forward",),
+    "attention": ("LlamaAttention.forward",),
+}
+_PLUGIN = "plugins.llama"
+_ERRORS = {1: "query_start_loc", 2: "seq_lens or positions", 3: "slot_mapping", 4: "block_tables",
+           5: "input_ids (outside the vocabulary)"}
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "cache")] + [
+        ("window", ctypes.c_long)]
+
+
+def _own_forwards(obj, names) -> bool:
+    for name in names:
+        fn = getattr(type(obj), name.split(".")[-1], None)
+        if fn is None or fn.__qualname__ != name or fn.__module__ != _PLUGIN:
+            return False
+    return True
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    def __init__(self, model, kv_caches: dict[str, torch.Tensor], params: list[torch.Tensor], layers, meta: dict):
+        self.model, self.kv_caches, self.params, self.meta = model, kv_caches, params, meta
+        self.layers = layers  # ctypes array of _Layer
+        self.ptrs = [p.data_ptr() for p in params]
+        mods = list(model.modules())  # hook registries, checked every step (registering mutates them in place)
+        self.hooks = [m._forward_hooks for m in mods] + [m._forward_pre_hooks for m in mods]
+
+    @classmethod
+    def build(cls, model, kv_caches: dict[str, torch.Tensor]) -> "FusedDecoder | None":
+        """The driver for this model and these caches, or None when either does not qualify."""
+        if not kernels.enabled():
+            return None
+        try:
+            return cls._build(model, kv_caches)
+        except (AttributeError, TypeError, KeyError):  # another structure than the one the driver knows
+            return None
+
+    @classmethod
+    def _build(cls, model, kv_caches):
+        inner = model.model
+        if not (_own_forwards(model, _FORWARDS["model"]) and _own_forwards(inner, _FORWARDS["model.model"])):
+            return None
+        embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
+        if not (type(embed) is VocabEmbedding and embed.scale is None and type(head) is LMHead
+                and head.softcap is None and type(final) is RMSNorm):
+            return None
+        layers, params, eps, rope, shape = [], [embed.weight, head.weight, final.weight], {final.eps}, set(), set()
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            core = attn.attn
+            if not (_own_forwards(layer, _FORWARDS["layer"]) and _own_forwards(attn, _FORWARDS["attention"])
+                    and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                    and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear and not hasattr(attn, "q_norm")
+                    and type(core) is Attention and core.softcap is None and type(attn.rotary_emb) is RotaryEmbedding
+                    and attn.rotary_emb.rope_type != "dynamic" and type(mlp) is GatedMLP and mlp.silu
+                    and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear):
+                return None
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            rope.add(attn.rotary_emb)
+            shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size))
+            cache = kv_caches[attn.prefix]
+            if cache.dtype is not torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
+                return None
+            mods = (layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
+                    mlp.gate_up_proj, mlp.down_proj)
+            w = [m.weight for m in mods]
+            b = [getattr(m, "bias", None) for m in mods]
+            params += w + [x for x in b if x is not None]
+            layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
+                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), cache.data_ptr(), core.sliding_window or 0))
+        if len(eps) != 1 or len(rope) != 1 or len(shape) != 1 or not layers:
+            return None
+        if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
+            return None
+        (heads, kv_heads, head_dim, scale, inter), = shape
+        meta = dict(eps=eps.pop(), rope=rope.pop(), heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=scale,
+                    intermediate=inter, hidden=embed.hidden_size, vocab=embed.vocab_size,
+                    embed=embed.weight, head=head.weight, final=final.weight)
+        return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta)
+
+    def usable(self, input_ids: torch.Tensor, batch) -> bool:
+        """This step can take the driver: few tokens, the same caches and weights, no hooks, kernels on."""
+        if input_ids.shape[0] > kernels.SMALL_M or batch.kv_caches is not self.kv_caches or not kernels.enabled():
+            return False
+        if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
+            return False
+        if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+            return False
+        return not any(self.hooks)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """logits [N, V] of the rows batch.logits_indices, writing the step's K/V into the caches."""
+        m = self.meta
+        t = input_ids.shape[0]
+        num_positions = max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1
+        cos, sin = m["rope"].table(positions.device, torch.float32, num_positions)  # [L, F]
+        ids = kernels._int(input_ids, torch.int64)
+        pos = kernels._int(positions, torch.int64)
+        rows = kernels._int(batch.logits_indices, torch.int64)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= t):
+            raise ValueError(f"batch.logits_indices {rows.tolist()} point outside the step's {t} tokens")
+        qsl, seq_lens, slots, tables = kernels._metadata(batch, t, True)
+        logits = torch.empty(rows.shape[0], m["vocab"])
+        nb, bs = next(iter(self.kv_caches.values())).shape[:2]
+        bad = kernels._lib.zoo_llama_forward(
+            ids.data_ptr(), t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
+            len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
+            pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], nb, bs,
+            slots.data_ptr(), tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
+            seq_lens.data_ptr(), seq_lens.shape[0], m["final"].data_ptr(), rows.data_ptr(), rows.shape[0],
+            m["head"].data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
+                             f"tokens and the KV cache")
+        return logits
