@@ -2,6 +2,8 @@
 float32, greedy, 2 torch threads. Both run in this one process, on the same prompts, one after the other.
 
     python bench/generate.py [--requests 16] [--new-tokens 64] [--repeat 3] [--decode-repeat 5] [--quick]
+    python bench/generate.py --moe [bench/generate_moe.py's options]   # the MoE case: a random-weight
+                                    # Mixtral (8 experts, top-2) vs transformers, see bench/generate_moe.py
 
 (1) ragged batch: R requests, prompts of 16..256 tokens, N new tokens each (EOS ignored): zoo (continuous
     batching, paged KV, prefix caching off) vs transformers' generate on the left-padded batch; output tok/s.
@@ -145,6 +147,12 @@ def verdict(ok: bool) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--moe" in argv:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import generate_moe
+
+        return generate_moe.main([a for a in argv if a != "--moe"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
