@@ -16,7 +16,7 @@ Use from a layer:
 `ZOO_FAST=0` in the environment turns every kernel off (read at import); `set_enabled(False)` does the same
 at run time (tests run both paths with it).
 Build: the first call compiles cpu.cpp with $CXX (default g++) into ~/.cache/zoo/kernels/<hash>/
-(`ZOO_CACHE_DIR` replaces ~/.cache/zoo); the hash covers the source, the flags, the compiler and this
+(`ZOO_CACHE` replaces ~/.cache/zoo, see zoo/paths.py); the hash covers the source, the flags, the compiler and this
 machine's CPU flags (the build uses -march=native). A second or so, once per machine and source version.
 A failed build warns once, naming the compiler's error, and the torch path stays on.
 """
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from zoo import paths
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-std=c++17"]
@@ -86,8 +88,7 @@ def fast(*tensors: torch.Tensor) -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ZOO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "zoo")
-    return Path(root) / "kernels"
+    return paths.cache_dir("kernels")
 
 
 def _cpu_signature() -> str:

@@ -4,7 +4,7 @@ MODEL is None (the embedded default), a local directory in the Hugging Face layo
 hub id resolved through the huggingface_hub cache (HF_HUB_OFFLINE honoured).
 
 A GGUF file carries its config and tokenizer as metadata; transformers converts them in a few seconds
-(it parses the whole vocabulary), so the converted files are kept in ~/.cache/zoo/gguf/<key>/
+(it parses the whole vocabulary), so the converted files are kept in zoo.paths.cache_dir('gguf')/<key>/
 (key: the file's path, size and mtime, and the transformers version) and read back from there.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from zoo import paths
 
 
 class ModelNotFound(RuntimeError):
@@ -90,8 +92,7 @@ def _gguf_cache(files: ModelFiles) -> Path | None:
 
     st = files.path.stat()
     key = hashlib.sha256(f"{files.path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
-    root = Path(os.environ.get("ZOO_CACHE", Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "zoo")).expanduser()
-    out = root / "gguf" / key.hexdigest()[:24]
+    out = paths.cache_dir("gguf") / key.hexdigest()[:24]
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
     try:
