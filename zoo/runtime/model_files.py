@@ -96,8 +96,8 @@ def _gguf_cache(files: ModelFiles) -> Path | None:
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
     try:
-        root.joinpath("gguf").mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root / "gguf"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     except OSError:
         return None  # read-only cache: convert every time
     try:
