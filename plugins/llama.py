@@ -37,7 +37,6 @@ LLAMA_RULES = Rules(
     ignores=(Ignore(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$",
                     "rotary tables that old checkpoints saved; recomputed from the config"),),
 )
-RULES = LLAMA_RULES  # the shorter name other plugins import
 
 
 class LlamaAttention(nn.Module):

@@ -12,7 +12,7 @@ Module names are transformers' in-memory names (`mlp`, `mlp.gate`, `mlp.experts`
 from __future__ import annotations
 
 from loader.rules import Rename, Rules, Stack
-from plugins.llama import RULES, validate
+from plugins.llama import LLAMA_RULES, validate
 from plugins.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -24,7 +24,7 @@ MOE_RULES = Rules(
              Rename(".experts.down_proj", ".experts.down_proj.weight")),
     stacks=(Stack("experts"),),
 )
-MIXTRAL_RULES = RULES + Rules(renames=(
+MIXTRAL_RULES = LLAMA_RULES + Rules(renames=(
     Rename(".block_sparse_moe.", ".mlp."),
     Rename(".w1.", ".gate_proj."),
     Rename(".w3.", ".up_proj."),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.llama import RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from plugins.mixtral import MOE_RULES, validate_moe
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -60,5 +60,5 @@ class OlmoeForCausalLM(LlamaForCausalLM):
 
 @hookimpl
 def register_architectures(register):
-    register(ArchSpec(("OlmoeForCausalLM",), "plugins.olmoe:OlmoeForCausalLM", "moe", rules=RULES + MOE_RULES,
+    register(ArchSpec(("OlmoeForCausalLM",), "plugins.olmoe:OlmoeForCausalLM", "moe", rules=LLAMA_RULES + MOE_RULES,
                       validate=validate_moe))

@@ -8,7 +8,7 @@ shared_expert(x)` (a dense MLP of `shared_expert_intermediate_size`) to the rout
 """
 from __future__ import annotations
 
-from plugins.llama import RULES
+from plugins.llama import LLAMA_RULES
 from plugins.mixtral import MOE_RULES, validate_moe
 from plugins.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
 from registry import ArchSpec, hookimpl
@@ -50,4 +50,4 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen2MoeForCausalLM",), "plugins.qwen2_moe:Qwen2MoeForCausalLM", "moe",
-                      rules=RULES + MOE_RULES, validate=validate_moe))
+                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe))

@@ -7,7 +7,7 @@ config.use_sliding_window sets one, applies to every layer (transformers builds 
 """
 from __future__ import annotations
 
-from plugins.llama import RULES
+from plugins.llama import LLAMA_RULES
 from plugins.mixtral import MOE_RULES, validate_moe
 from plugins.qwen2_moe import is_sparse
 from plugins.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -40,4 +40,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen3MoeForCausalLM",), "plugins.qwen3_moe:Qwen3MoeForCausalLM", "moe",
-                      rules=RULES + MOE_RULES, validate=validate_moe))
+                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe))

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from loader.rules import Rename, Rules
-from plugins.llama import RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from plugins.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
 from plugins.mixtral import MIXTRAL_RULES, MixtralDecoderLayer, MixtralForCausalLM, MixtralModel
 from registry import ArchSpec, get_registry, hookimpl
@@ -282,7 +282,7 @@ EXTRA_RULES = {"feed_forward_tap_map": Rules(renames=(Rename(".mlp.", ".feed_for
 class MutantPlugin:
     def __init__(self, name: str):
         self.arch, self.cls = {**MUTANTS, **VARIANTS}[name]
-        self.rules = RULES_OF.get(self.arch, RULES) + EXTRA_RULES.get(name, Rules())
+        self.rules = RULES_OF.get(self.arch, LLAMA_RULES) + EXTRA_RULES.get(name, Rules())
 
     @hookimpl
     def register_architectures(self, register):
