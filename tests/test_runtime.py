@@ -58,6 +58,19 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
     assert pool.lookup(bytes([2]) * 16) is blocks[2]
 
 
+def test_empty_blocks_are_reused_warmest_first_before_evicting_cached_ones():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(a, b"a" * 16)
+    pool.release([a])  # cached: kept as long as an empty block is left
+    pool.release([b])
+    pool.release([c])
+    assert pool.allocate(1) == [c]  # the most recently freed empty block (its memory is the warmest)
+    assert pool.allocate(1) == [b] and pool.num_evictions == 0
+    assert pool.lookup(b"a" * 16) is a
+    assert pool.allocate(1) == [a] and pool.num_evictions == 1 and pool.lookup(b"a" * 16) is None
+
+
 def test_block_hash_chains_parent_tokens_and_namespace():
     h1 = hash_block(None, [1, 2, 3, 4], "m")
     assert h1 == hash_block(None, [1, 2, 3, 4], "m")

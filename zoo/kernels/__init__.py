@@ -41,9 +41,6 @@ from zoo import paths
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-std=c++17"]
-# rows up to which zoo_linear beats torch's sgemm (MKL) on SmolLM2's packed weights, 2 threads: 135 vs 100
-# GFLOP/s at 32 rows, 173 vs 163 at 256, 170 vs 172 at 512 (then MKL leads by ~7%)
-SMALL_M = 256
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -222,10 +219,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): [..., K] -> [..., N]; torch's sgemm past SMALL_M rows."""
+    """F.linear(x, weight, bias): [..., K] -> [..., N]."""
     n, k = weight.shape
     m = x.numel() // k if k else 0
-    if m == 0 or m > SMALL_M or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+    if m == 0 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return F.linear(x, weight, bias)
     x2 = _rows(x)
     y = torch.empty(m, n)

@@ -315,87 +315,131 @@ static void linear_few(const float* x, long M, long ldx, const float* w, long n0
     }
 }
 
-// out[r * LANES + lane] = sum_k w[r, k] xt[k, lane] for R rows of w; V = a vector of LANES floats.
-// Sums run over blocks of 64 k (two interleaved partial sums each) added to a running total: rounding
-// error grows with the block count, not with K (as accurate as torch's sgemm; see tests/test_kernels.py).
-template <typename V, int LANES, int R>
-static inline void panel_rows(const float* xt, const float* w, long K, float* out) {
-    V total[R];
-    for (int r = 0; r < R; r++) total[r] = vsplat<V>(0.0f);
-    for (long k0 = 0; k0 < K; k0 += 64) {
-        const long k1 = std::min(K, k0 + 64);
-        V acc[R][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vsplat<V>(0.0f);
-        long k = k0;
-        for (; k + 2 <= k1; k += 2) {
-            V x0 = vload<V>(xt + k * LANES), x1 = vload<V>(xt + (k + 1) * LANES);
+// One tile: out[r, l] = sum_k w[r ldw + k] xt[k, l] for R rows of w and a panel xt [K, 8 NV] of 8 NV rows of x.
+// Per k: NV vector loads of xt, R broadcasts of w, R NV fused multiply-adds into 2 R NV accumulators that stay
+// in registers (R = 6, NV = 2: 12 of AVX2's 16). Sums run over blocks of KB k's and each block's sum is added
+// to the running total in `out`: rounding error grows with K / KB, not with K (as accurate as torch's sgemm;
+// see tests/test_kernels.py). `next` (or nullptr): R rows (stride ldw) to pull towards L2 meanwhile, a line
+// per 16 k's.
+template <int NV, int R>
+static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next) {
+    constexpr long KB = 128;
+    for (long k0 = 0; k0 < K; k0 += KB) {
+        const long k1 = std::min(K, k0 + KB);
+        v8 acc[R][NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] = vsplat<v8>(0.0f);
+        for (long k = k0; k < k1; k++) {
+            if (next && (k & 15) == 0)
+                for (int r = 0; r < R; r++) prefetch_l2(next + r * ldw + k);
+            v8 xv[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) xv[v] = *(const v8*)(xt + (k * NV + v) * 8);
+#pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
-                acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
-                acc[r][1] = vfma(vsplat<V>(w[r * K + k + 1]), x1, acc[r][1]);
+                const v8 wv = vsplat<v8>(w[r * ldw + k]);
+                for (int v = 0; v < NV; v++) acc[r][v] = fma8(wv, xv[v], acc[r][v]);
             }
         }
-        if (k < k1) {
-            V x0 = vload<V>(xt + k * LANES);
-            for (int r = 0; r < R; r++) acc[r][0] = vfma(vsplat<V>(w[r * K + k]), x0, acc[r][0]);
-        }
-        for (int r = 0; r < R; r++) total[r] = total[r] + (acc[r][0] + acc[r][1]);
-    }
-    for (int r = 0; r < R; r++) vstore(out + LANES * r, total[r]);
-}
-
-// rows n .. n + R - 1 of y for every panel of LANES rows of x
-template <typename V, int LANES, int R>
-static inline void panel_block(const float* xt, long M, const float* w, long n, long K, const float* b, float* y,
-                               long ldy) {
-    float out[LANES * R];
-    for (long p = 0; p * LANES < M; p++) {
-        panel_rows<V, LANES, R>(xt + p * K * LANES, w + n * K, K, out);
-        long lanes = std::min((long)LANES, M - p * LANES);
-        for (int r = 0; r < R; r++) {
-            float bias = b ? b[n + r] : 0.0f;
-            for (long l = 0; l < lanes; l++) y[(p * LANES + l) * ldy + n + r] = out[LANES * r + l] + bias;
-        }
+        v8* o = (v8*)out;
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) o[r * NV + v] = k0 == 0 ? acc[r][v] : o[r * NV + v] + acc[r][v];
     }
 }
 
-template <typename V, int LANES>
-static void linear_panels(const float* xt, long M, const float* w, long n0, long n1, long K, const float* b, float* y,
-                          long ldy) {
-    long n = n0;
-    for (; n + 6 <= n1; n += 6) panel_block<V, LANES, 6>(xt, M, w, n, K, b, y, ldy);
-    for (; n < n1; n++) panel_block<V, LANES, 1>(xt, M, w, n, K, b, y, ldy);
+// tile<NV, rows> for 1 <= rows <= 6
+template <int NV>
+static inline void tile_rows(int rows, const float* xt, const float* w, long ldw, long K, float* out,
+                             const float* next) {
+    switch (rows) {
+        case 6: tile<NV, 6>(xt, w, ldw, K, out, next); break;
+        case 5: tile<NV, 5>(xt, w, ldw, K, out, next); break;
+        case 4: tile<NV, 4>(xt, w, ldw, K, out, next); break;
+        case 3: tile<NV, 3>(xt, w, ldw, K, out, next); break;
+        case 2: tile<NV, 2>(xt, w, ldw, K, out, next); break;
+        default: tile<NV, 1>(xt, w, ldw, K, out, next); break;
+    }
+}
+
+// rows n0 .. n1 - 1 of w against the panels [p0, p1) of xt [P, K, 8 NV]: y[m, n] (+ b[n]). Each block of R
+// rows of w is read from memory once and then from L1 for the other panels. Tiles land in `stage`
+// [panels, SUB, lanes] and go to y SUB columns at a time: y's rows are N floats apart, which for N = 3072 puts
+// them all in one L1 set, and writing a few floats of each row per tile measured 15% slower.
+template <int NV>
+static void panel_range(const float* xt, long M, long p0, long p1, const float* w, long n0, long n1, long K,
+                        const float* b, float* y, long ldy) {
+    constexpr int LANES = 8 * NV, R = 6;
+    constexpr long SUB = 48;
+    static thread_local std::vector<v8> stage_store;
+    stage_store.resize((p1 - p0) * SUB * NV);
+    float* stage = (float*)stage_store.data();
+    for (long n = n0; n < n1; n += SUB) {
+        const long ns = std::min(SUB, n1 - n);
+        for (long j = 0; j < ns; j += R) {
+            const int rows = (int)std::min<long>(R, ns - j);
+            const float* wb = w + (n + j) * K;
+            for (long p = p0; p < p1; p++)  // w is read from memory on the first panel: prefetch the next block
+                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, stage + ((p - p0) * SUB + j) * LANES,
+                              p == p0 ? wb + R * K : nullptr);
+        }
+        for (long p = p0; p < p1; p++) {
+            const long lanes = std::min((long)LANES, M - p * LANES);
+            const float* st = stage + (p - p0) * SUB * LANES;
+            for (long l = 0; l < lanes; l++) {
+                float* yr = y + (p * LANES + l) * ldy + n;
+                for (long j = 0; j < ns; j++) yr[j] = st[j * LANES + l] + (b ? b[n + j] : 0.0f);
+            }
+        }
+    }
+}
+
+// xt[p] [K, lanes] = the transpose of x's rows p * lanes .., zero-padded past M
+static void pack_panel(const float* x, long M, long ldx, long K, long lanes, long p, float* xt) {
+    const long used = std::min(lanes, M - p * lanes);
+    const float* src = x + p * lanes * ldx;
+    float* dst = xt + p * K * lanes;
+    for (long k0 = 0; k0 < K; k0 += 64) {  // 64 k's of every row at a time: the rows' lines stay in L1
+        const long k1 = std::min(K, k0 + 64);
+        for (long l = 0; l < used; l++)
+            for (long k = k0; k < k1; k++) dst[k * lanes + l] = src[l * ldx + k];
+        for (long l = used; l < lanes; l++)
+            for (long k = k0; k < k1; k++) dst[k * lanes + l] = 0.0f;
+    }
 }
 
 extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
                            float* y, long ldy, int nt) {
-    static thread_local std::vector<float> xt;
-    const long lanes = M > 8 ? 16 : 8;  // panels of 8 rows (256-bit vectors) for 5..8 rows: no wasted lanes
-    const bool panels = M > 4;
-    if (panels) {  // xt [ceil(M / lanes), K, lanes], zero-padded lanes, written contiguously
-        long np = (M + lanes - 1) / lanes;
-        xt.resize(np * K * lanes);
-        for (long p = 0; p < np; p++) {
-            long used = std::min(lanes, M - p * lanes);
-            float* dst = &xt[p * K * lanes];
-            const float* src = x + p * lanes * ldx;
-            for (long k = 0; k < K; k++) {
-                for (long l = 0; l < used; l++) dst[k * lanes + l] = src[l * ldx + k];
-                for (long l = used; l < lanes; l++) dst[k * lanes + l] = 0.0f;
-            }
-        }
+    const int threads = N * K >= 65536 ? nt : 1;
+    if (M <= 4) {
+        parallel_guided(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
+        return;
     }
-    const float* xtp = xt.data();
-    auto body = [&](long n0, long n1) {
-        if (!panels)
-            linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy);
-        else if (lanes == 16)
-            linear_panels<v16, 16>(xtp, M, w, n0, n1, K, b, y, ldy);
+    // x in panels of 16 rows (8 when M <= 8: no wasted lanes), xt [P, K, lanes]; the panels in chunks of about
+    // 384 KB, which stay in L2 while every row of w passes over them
+    static thread_local std::vector<float> xt;
+    const long lanes = M > 8 ? 16 : 8, P = (M + lanes - 1) / lanes;
+    xt.resize(P * K * lanes + 16);
+    float* xtp = (float*)(((uintptr_t)xt.data() + 63) & ~(uintptr_t)63);
+    parallel_for(P, 1, P * K >= 16384 ? nt : 1, [&](long p) { pack_panel(x, M, ldx, K, lanes, p, xtp); });
+    const long chunk = std::max(1L, (384L << 10) / (K * lanes * 4));
+    auto range = [&](long p0, long p1, long n0, long n1) {
+        if (lanes == 16)
+            panel_range<2>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
         else
-            linear_panels<v8, 8>(xtp, M, w, n0, n1, K, b, y, ldy);
+            panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
     };
-    // long sequential ranges of w first, small ones last (measured 6% faster at M = 1 than fixed 256 KB
-    // chunks); panels take whole 6-row blocks, and every range covers whole cache lines of y
-    parallel_guided(N, panels ? 48 : 16, N * K >= 65536 ? nt : 1, body);
+    if (P <= chunk) {  // one chunk (decode): long sequential ranges of w first, as linear_few
+        parallel_guided(N, 48, threads, [&](long n0, long n1) { range(0, P, n0, n1); });
+        return;
+    }
+    // many chunks (prefill): one item = one chunk x 96 rows of w, claimed in order, so the threads work on
+    // the same chunk at the same time
+    const long G = 96, groups = (N + G - 1) / G, chunks = (P + chunk - 1) / chunk;
+    parallel_for(chunks * groups, 1, threads, [&](long i) {
+        const long c = i / groups, g = i % groups;
+        range(c * chunk, std::min(P, (c + 1) * chunk), g * G, std::min(N, (g + 1) * G));
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -476,36 +520,21 @@ extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* ou
 // ---------------------------------------------------------------------------------------------------
 // Causal attention over flattened tokens and the paged cache [NB * BS, 2, KV, D] (0 = K, 1 = V).
 //
-// The new tokens' k and v are first written to their slots; then each token (one work item) attends to its
-// request's context positions lo .. p (p = its own position; lo = p - window + 1 with a sliding window),
-// read through the request's block table. Without a cache (cache == nullptr) every request is a whole
-// prompt and its context is its own rows of k and v. q/k/v rows are strided ([T, heads, D], unit last stride).
-// The metadata is checked first (nothing is read or written out of bounds); returns 0, or the code of the
-// first problem: 1 query_start_loc, 2 seq_lens, 3 slot_mapping, 4 block_tables.
+// The new tokens' k and v are first written to their slots; then each token attends to its request's context
+// positions lo .. p (p = its own position; lo = p - window + 1 with a sliding window), read through the
+// request's block table. Without a cache (cache == nullptr) every request is a whole prompt and its context is
+// its own rows of k and v. q/k/v rows are strided ([T, heads, D], unit last stride). The metadata is checked
+// first (nothing is read or written out of bounds); returns 0, or the code of the first problem:
+// 1 query_start_loc, 2 seq_lens, 3 slot_mapping, 4 block_tables.
+//
+// Two schedules. A request with few new tokens (decode): one work item per token, all heads, exact softmax
+// over the whole context row (below). A request with at least QB / 2 new tokens (prefill): one work item per
+// QB = 16 consecutive tokens and one query head, the 16 tokens in the lanes of a vector (attend_block).
 
-// Attention for one token and one KV head is done for a group of GS query heads (sharing that KV head) at a
-// time: one pass over the K rows computes GS scores per row, one pass over the V rows accumulates GS outputs
-// (in registers), so each context row is read once per group, not once per head. ND = D / 16 vectors per
-// row; other head sizes take the per-head loops (scores_any / weighted_any).
-
-// sc[g * ld + j] = (q_g . k_j) * scale for the GS heads q[g] (each ND vectors) and the L rows krows[j] + at
-template <int GS, int ND>
-static void group_scores(const float* const* q, const float* const* krows, long at, long L, float scale, float* sc,
-                         long ld) {
-    v16 qv[GS][ND];
-    for (int g = 0; g < GS; g++)
-        for (int d = 0; d < ND; d++) qv[g][d] = load(q[g] + 16 * d);
-    for (long j = 0; j < L; j++) {
-        const float* kr = krows[j] + at;
-        v16 kv[ND];
-        for (int d = 0; d < ND; d++) kv[d] = load(kr + 16 * d);
-        for (int g = 0; g < GS; g++) {
-            v16 a = qv[g][0] * kv[0];
-            for (int d = 1; d < ND; d++) a = fma16(qv[g][d], kv[d], a);
-            sc[g * ld + j] = hsum(a) * scale;
-        }
-    }
-}
+// One token (decode): the scores of every head in one pass over the K rows (all_scores), a softmax per head,
+// then for each KV head a pass over the V rows accumulating the outputs of up to 4 query heads sharing it (in
+// registers). ND = D / 16 vectors per row; other head sizes take the per-head loops (scores_any /
+// weighted_any).
 
 // out[g][:] = sum_j p[g * ld + j] v_j over the L rows vrows[j] + at; summed in blocks of 64 rows, then added
 template <int GS, int ND>
@@ -534,6 +563,41 @@ static void group_weighted(const float* p, long ld, const float* const* vrows, l
         for (int d = 0; d < ND; d++) store(out[g] + 16 * d, total[g][d]);
 }
 
+// Decode: sc[h * ld + j] = (q_h . k_j) * scale for all H query heads (q_h = q + h * q_sh) over the L rows, row by
+// row, every KV head of a row at once: a row's K lines are read together and in order, and `ahead` floats of
+// the row 8 rows on (its K and V, or 0: nothing) are pulled towards L2 meanwhile, so the value passes that
+// follow find the rows there. (Head by head, each pass read a few lines of every row: 2x slower from memory.)
+template <int ND>
+static void all_scores(const float* q, long q_sh, long H, long KV, long k_head, const float* const* krows, long L,
+                       float scale, float* sc, long ld, long ahead) {
+    const long G = H / KV;
+    for (long j = 0; j < L; j++) {
+        if (ahead && j + 8 < L)
+            for (long off = 0; off < ahead; off += 16) prefetch_l2(krows[j + 8] + off);
+        for (long kh = 0; kh < KV; kh++) {
+            const float* kr = krows[j] + kh * k_head;
+            v16 kv[ND];
+            for (int d = 0; d < ND; d++) kv[d] = load(kr + 16 * d);
+            for (long g = 0; g < G; g++) {
+                const float* qh = q + (kh * G + g) * q_sh;
+                v16 a = load(qh) * kv[0];
+                for (int d = 1; d < ND; d++) a = fma16(load(qh + 16 * d), kv[d], a);
+                sc[(kh * G + g) * ld + j] = hsum(a) * scale;
+            }
+        }
+    }
+}
+
+static bool all_scores_d(long D, const float* q, long q_sh, long H, long KV, long k_head, const float* const* krows,
+                         long L, float scale, float* sc, long ld, long ahead) {
+    switch (D) {
+        case 32: all_scores<2>(q, q_sh, H, KV, k_head, krows, L, scale, sc, ld, ahead); return true;
+        case 64: all_scores<4>(q, q_sh, H, KV, k_head, krows, L, scale, sc, ld, ahead); return true;
+        case 128: all_scores<8>(q, q_sh, H, KV, k_head, krows, L, scale, sc, ld, ahead); return true;
+        default: return false;
+    }
+}
+
 static void scores_any(const float* q, const float* const* krows, long at, long L, long D, float scale, float* out) {
     for (long j = 0; j < L; j++) out[j] = dot(q, krows[j] + at, D) * scale;
 }
@@ -545,17 +609,6 @@ static void weighted_any(const float* p, const float* const* vrows, long at, lon
 }
 
 template <int GS>
-static bool group_scores_d(long D, const float* const* q, const float* const* krows, long at, long L, float scale,
-                           float* sc, long ld) {
-    switch (D) {
-        case 32: group_scores<GS, 2>(q, krows, at, L, scale, sc, ld); return true;
-        case 64: group_scores<GS, 4>(q, krows, at, L, scale, sc, ld); return true;
-        case 128: group_scores<GS, 8>(q, krows, at, L, scale, sc, ld); return true;
-        default: return false;
-    }
-}
-
-template <int GS>
 static bool group_weighted_d(long D, const float* p, long ld, const float* const* vrows, long at, long L,
                              float* const* out) {
     switch (D) {
@@ -564,17 +617,6 @@ static bool group_weighted_d(long D, const float* p, long ld, const float* const
         case 128: group_weighted<GS, 8>(p, ld, vrows, at, L, out); return true;
         default: return false;
     }
-}
-
-// the scores of gs <= 4 heads, with the fixed-size variants when D has one
-static void scores_pass(int gs, long D, const float* const* q, const float* const* krows, long at, long L,
-                        float scale, float* sc, long ld) {
-    bool done = gs == 1   ? group_scores_d<1>(D, q, krows, at, L, scale, sc, ld)
-                : gs == 2 ? group_scores_d<2>(D, q, krows, at, L, scale, sc, ld)
-                : gs == 3 ? group_scores_d<3>(D, q, krows, at, L, scale, sc, ld)
-                          : group_scores_d<4>(D, q, krows, at, L, scale, sc, ld);
-    if (!done)
-        for (int g = 0; g < gs; g++) scores_any(q[g], krows, at, L, D, scale, sc + g * ld);
 }
 
 static void weighted_pass(int gs, long D, const float* p, long ld, const float* const* vrows, long at, long L,
@@ -602,6 +644,130 @@ static void softmax_row(float* r, long L, long Lp, float softcap) {
     }
     v16 inv = splat(1.0f / hsum(sv));
     for (long j = 0; j < Lp; j += 16) store(r + j, load(r + j) * inv);
+}
+
+// Prefill: QB = 16 consecutive tokens of one request (lane l = token; n <= 16 real, the other lanes repeat the
+// last one) against one head's context rows, 16 rows at a time, with an online softmax per lane. Scores
+// st [rows, lanes] = K qt (qt [D, lanes]: the tokens' q transposed), then ot [D, lanes] += V^T pt: every
+// step is a broadcast of one K or V element times a vector of 16 tokens, no horizontal sums (the per-token
+// path spends most of its time in them).
+constexpr long QB = 16;
+
+// st[j, :] = sum_d krows[j][d] qt[d, :] for the nj <= 16 rows krows[j] (offset at), 4 rows at a time
+static inline void block_scores(const float* qt, long D, const float* const* krows, long at, long nj, float* st) {
+    long j = 0;
+    for (; j + 4 <= nj; j += 4) {
+        const float *k0 = krows[j] + at, *k1 = krows[j + 1] + at, *k2 = krows[j + 2] + at, *k3 = krows[j + 3] + at;
+        v8 a[4][2];
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = vsplat<v8>(0.0f);
+        for (long d = 0; d < D; d++) {
+            const v8 x0 = *(const v8*)(qt + d * QB), x1 = *(const v8*)(qt + d * QB + 8);
+            const float kd[4] = {k0[d], k1[d], k2[d], k3[d]};
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const v8 kv = vsplat<v8>(kd[r]);
+                a[r][0] = fma8(kv, x0, a[r][0]);
+                a[r][1] = fma8(kv, x1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            *(v8*)(st + (j + r) * QB) = a[r][0];
+            *(v8*)(st + (j + r) * QB + 8) = a[r][1];
+        }
+    }
+    for (; j < nj; j++) {
+        const float* kr = krows[j] + at;
+        v8 a0 = vsplat<v8>(0.0f), a1 = a0;
+        for (long d = 0; d < D; d++) {
+            const v8 kv = vsplat<v8>(kr[d]);
+            a0 = fma8(kv, *(const v8*)(qt + d * QB), a0);
+            a1 = fma8(kv, *(const v8*)(qt + d * QB + 8), a1);
+        }
+        *(v8*)(st + j * QB) = a0;
+        *(v8*)(st + j * QB + 8) = a1;
+    }
+}
+
+// ot[d, :] += sum_j vrows[j][d] pt[j, :] over the nj rows (offset at), 6 values of d at a time
+static inline void block_values(const float* pt, long nj, const float* const* vrows, long at, long D, float* ot) {
+    long d0 = 0;
+    for (; d0 + 6 <= D; d0 += 6) {
+        v8 a[6][2];
+        for (int r = 0; r < 6; r++) a[r][0] = *(v8*)(ot + (d0 + r) * QB), a[r][1] = *(v8*)(ot + (d0 + r) * QB + 8);
+        for (long j = 0; j < nj; j++) {
+            const float* vr = vrows[j] + at + d0;
+            const v8 x0 = *(const v8*)(pt + j * QB), x1 = *(const v8*)(pt + j * QB + 8);
+#pragma GCC unroll 6
+            for (int r = 0; r < 6; r++) {
+                const v8 vv = vsplat<v8>(vr[r]);
+                a[r][0] = fma8(vv, x0, a[r][0]);
+                a[r][1] = fma8(vv, x1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < 6; r++) *(v8*)(ot + (d0 + r) * QB) = a[r][0], *(v8*)(ot + (d0 + r) * QB + 8) = a[r][1];
+    }
+    for (; d0 < D; d0++) {
+        v8 a0 = *(v8*)(ot + d0 * QB), a1 = *(v8*)(ot + d0 * QB + 8);
+        for (long j = 0; j < nj; j++) {
+            const v8 vv = vsplat<v8>(vrows[j][at + d0]);
+            a0 = fma8(vv, *(const v8*)(pt + j * QB), a0);
+            a1 = fma8(vv, *(const v8*)(pt + j * QB + 8), a1);
+        }
+        *(v8*)(ot + d0 * QB) = a0;
+        *(v8*)(ot + d0 * QB + 8) = a1;
+    }
+}
+
+// out rows out[l * out_st ..] (l < n) = attention of the n tokens q[l * q_st ..] at positions pos0 + l over the
+// context rows krows[j] / vrows[j] (offsets at_k / at_v) of positions j = 0 .. pos0 + n - 1
+static void attend_block(const float* q, long q_st, long n, long pos0, const float* const* krows,
+                         const float* const* vrows, long at_k, long at_v, long D, float scale, long window,
+                         float softcap, float* out, long out_st) {
+    static thread_local std::vector<v16> mem;
+    mem.resize(2 * D + 2 * QB);
+    float* qt = (float*)mem.data();  // [D, QB]
+    float* ot = qt + D * QB;         // [D, QB]
+    float* st = ot + D * QB;         // [QB rows, QB lanes] scores, then probabilities
+    for (long d = 0; d < D; d++)
+        for (long l = 0; l < QB; l++) qt[d * QB + l] = q[std::min(l, n - 1) * q_st + d];
+    std::fill(ot, ot + D * QB, 0.0f);
+    i16 pos;
+    for (int l = 0; l < QB; l++) pos[l] = (int32_t)(pos0 + std::min((long)l, n - 1));
+    v16 m = splat(-INFINITY), sum = splat(0.0f);
+    const long last = pos0 + n - 1, first = window > 0 ? std::max(0L, pos0 - window + 1) : 0;
+    for (long j0 = first; j0 <= last; j0 += QB) {
+        const long nj = std::min(QB, last + 1 - j0);
+        block_scores(qt, D, krows + j0, at_k, nj, st);
+        v16 mb = splat(-INFINITY);
+        for (long j = 0; j < nj; j++) {
+            v16 sj = load(st + j * QB) * splat(scale);
+            if (softcap > 0.0f)
+                for (int l = 0; l < QB; l++) sj[l] = std::tanh(sj[l] / softcap) * softcap;
+            const i16 jv = (i16){} + (int32_t)(j0 + j);
+            i16 masked = jv > pos;  // a later position (causal)
+            if (window > 0) masked |= jv <= pos - (int32_t)window;
+            sj = masked ? splat(-INFINITY) : sj;
+            store(st + j * QB, sj);
+            mb = sj > mb ? sj : mb;
+        }
+        const v16 m_new = mb > m ? mb : m;
+        const v16 base = m_new == splat(-INFINITY) ? splat(0.0f) : m_new;  // a lane with nothing yet: no NaN
+        const v16 corr = exp16(m - base);
+        v16 bsum = splat(0.0f);
+        for (long j = 0; j < nj; j++) {
+            const v16 e = exp16(load(st + j * QB) - base);
+            store(st + j * QB, e);
+            bsum = bsum + e;
+        }
+        sum = sum * corr + bsum;
+        for (long d = 0; d < D; d++) store(ot + d * QB, load(ot + d * QB) * corr);
+        block_values(st, nj, vrows + j0, at_v, D, ot);
+        m = m_new;
+    }
+    const v16 inv = splat(1.0f) / sum;
+    for (long d = 0; d < D; d++) store(ot + d * QB, load(ot + d * QB) * inv);
+    for (long l = 0; l < n; l++)
+        for (long d = 0; d < D; d++) out[l * out_st + d] = ot[d * QB + l];
 }
 
 static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const float* cache, long nb,
@@ -644,19 +810,11 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
         }
     long work = 0;  // context rows read, to decide whether a second thread pays
     for (long b = 0; b < B; b++) work += (long)(qsl[b + 1] - qsl[b]) * seq_lens[b];
-    // one item = one token: its context rows (all KV heads of a slot are adjacent) are walked head by head,
-    // so after the first head the rows come from this core's cache
-    parallel_for(T, 1, work * KV * D >= 32768 ? nt : 1, [&](long t) {
-        static thread_local std::vector<float> sc;
-        static thread_local std::vector<const float*> rows;
-        const long b = req[t];
-        const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
-        const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
-        const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
-        rows.resize(2 * L);
-        const float** krows = rows.data();
-        const float** vrows = krows + L;
-        if (cache) {  // slot rows, walking the block table once: one division per block, not per row
+    const long k_head = cache ? D : k_sh, v_head = cache ? D : v_sh;  // stride between KV heads of a row
+    // rows[c - lo] = request b's context rows of positions lo .. p (K at + 0, V at + KV D in the cache): walking
+    // the block table once, one division per block, not per row
+    auto context = [&](long b, long lo, long p, const float** krows, const float** vrows) {
+        if (cache) {
             const int32_t* table = tables + b * max_blocks;
             for (long c = lo; c <= p;) {
                 long off = c % bs, n = std::min(bs - off, p + 1 - c);
@@ -673,28 +831,55 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
                 vrows[c - lo] = v + (qsl[b] + c) * v_st;
             }
         }
-        if (cache && t == qsl[b]) {  // a request's first token of the step: its cached context (K and V of
-            // every head, up to 256 KB) towards L2 in one burst, so the passes below find it there or in
-            // flight (measured 10-20% faster on decode); later tokens of a chunk share these rows
-            const long burst = std::min(L, std::max(1L, 65536 / row));
-            for (long j = 0; j < burst; j++)
-                for (long off = 0; off < row; off += 16) prefetch_l2(krows[j] + off);
+    };
+    // work items: (request, first token, tokens) x head for the blocks of prefilling requests, then single tokens
+    std::vector<long> blocks, singles;
+    for (long b = 0; b < B; b++) {
+        const long n = qsl[b + 1] - qsl[b];
+        if (n >= QB / 2)
+            for (long t = qsl[b]; t < qsl[b + 1]; t += QB) blocks.insert(blocks.end(), {b, t, std::min(QB, qsl[b + 1] - t)});
+        else
+            for (long t = qsl[b]; t < qsl[b + 1]; t++) singles.push_back(t);
+    }
+    const long nblock = (long)blocks.size() / 3 * H;
+    parallel_for(nblock + (long)singles.size(), 1, work * KV * D >= 32768 ? nt : 1, [&](long item) {
+        static thread_local std::vector<float> sc;
+        static thread_local std::vector<const float*> rows;
+        if (item < nblock) {
+            const long* blk = &blocks[item / H * 3];
+            const long b = blk[0], t0 = blk[1], n = blk[2], h = item % H, kh = h / G;
+            const long pos0 = seq_lens[b] - (qsl[b + 1] - t0), last = pos0 + n - 1;
+            rows.resize(2 * (last + 1));
+            context(b, 0, last, rows.data(), rows.data() + last + 1);
+            attend_block(q + t0 * q_st + h * q_sh, q_st, n, pos0, rows.data(), rows.data() + last + 1, kh * k_head,
+                         kh * v_head, D, scale, window, softcap, out + (t0 * H + h) * D, H * D);
+            return;
         }
-        const long k_head = cache ? D : k_sh, v_head = cache ? D : v_sh;  // stride between KV heads of a row
-        sc.resize(std::min(G, 4L) * Lp);
+        // one token, every head: scores of all heads in one pass over the rows, then a softmax per head and
+        // the value passes (from this core's cache by then)
+        const long t = singles[item - nblock], b = req[t];
+        const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
+        const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
+        const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
+        rows.resize(2 * L);
+        const float** krows = rows.data();
+        const float** vrows = krows + L;
+        context(b, lo, p, krows, vrows);
+        const float* qt = q + t * q_st;
+        sc.resize(H * Lp);
         float* r = sc.data();
+        if (cache)  // the first rows' lines, before all_scores prefetches the rest as it goes
+            for (long j = 0; j < std::min(L, 8L); j++)
+                for (long off = 0; off < row; off += 16) prefetch_l2(krows[j] + off);
+        if (!all_scores_d(D, qt, q_sh, H, KV, k_head, krows, L, scale, r, Lp, cache ? row : 0))
+            for (long h = 0; h < H; h++) scores_any(qt + h * q_sh, krows, (h / G) * k_head, L, D, scale, r + h * Lp);
+        for (long h = 0; h < H; h++) softmax_row(r + h * Lp, L, Lp, softcap);
         for (long kh = 0; kh < KV; kh++) {
             for (long g0 = 0; g0 < G; g0 += 4) {  // query heads kh * G + g0 .. in groups of up to 4
                 const int gs = (int)std::min(4L, G - g0);
-                const float* qs[4];
                 float* os[4];
-                for (int g = 0; g < gs; g++) {
-                    qs[g] = q + t * q_st + (kh * G + g0 + g) * q_sh;
-                    os[g] = out + (t * H + kh * G + g0 + g) * D;
-                }
-                scores_pass(gs, D, qs, krows, kh * k_head, L, scale, r, Lp);
-                for (int g = 0; g < gs; g++) softmax_row(r + g * Lp, L, Lp, softcap);
-                weighted_pass(gs, D, r, Lp, vrows, kh * v_head, L, os);
+                for (int g = 0; g < gs; g++) os[g] = out + (t * H + kh * G + g0 + g) * D;
+                weighted_pass(gs, D, r + (kh * G + g0) * Lp, Lp, vrows, kh * v_head, L, os);
             }
         }
     });
@@ -747,8 +932,8 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 // A whole forward pass of a Llama-structured decoder (zoo/kernels/fused.py decides which models qualify and
 // passes their weights): the kernels above in the order the modules call them, with no Python between
 // layers. The results equal the module path with kernels on, bit for bit (same kernels, same inputs; the
-// residual adds round the same). Used for steps of at most kernels.SMALL_M tokens; returns 0, an attention
-// error code, or 5 when a token id is outside the embedding table.
+// residual adds round the same). Returns 0, an attention error code, or 5 when a token id is outside the
+// embedding table.
 
 struct LayerWeights {
     const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
@@ -767,9 +952,11 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= table_len) return 2;
-    static thread_local std::vector<float> buf;
-    const long nqkv = (H + 2 * KV) * D;
-    buf.resize(T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * Hd);
+    static thread_local std::vector<float> kept;  // the scratch of decode-sized steps stays; a prefill's goes
+    std::vector<float> once;
+    const long nqkv = (H + 2 * KV) * D, need = T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * Hd;
+    std::vector<float>& buf = need <= (4L << 20) ? kept : once;
+    buf.resize(need);
     float* hidden = buf.data();        // [T, Hd] the residual stream
     float* x = hidden + T * Hd;        // [T, Hd] normed
     float* h = x + T * Hd;             // [T, Hd] a block's output

@@ -12,9 +12,8 @@ the same order from C++ and returns the sampled rows' logits, equal bit for bit 
 Qualifies: a model assembled from the Llama plugin's classes with their own forward methods (Llama, and
 Mistral / Qwen2, which change only what the attention is built with: sliding windows, q/k/v bias), plain
 RMSNorm with one eps, SiLU gated MLPs, no q/k norms, no attention softcap, no embedding scale, a rope type
-whose table does not depend on the context length, float32 CPU weights. A step qualifies when it has at
-most kernels.SMALL_M tokens and no forward hook is registered (parity taps see every module). Shape
-legend: T tokens, N sampled rows, V vocabulary, L layers.
+whose table does not depend on the context length, float32 CPU weights. A step qualifies when no forward
+hook is registered (parity taps see every module). Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
 from __future__ import annotations
 
@@ -124,8 +123,8 @@ class FusedDecoder:
         return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta)
 
     def usable(self, input_ids: torch.Tensor, batch) -> bool:
-        """This step can take the driver: few tokens, the same caches and weights, no hooks, kernels on."""
-        if input_ids.shape[0] > kernels.SMALL_M or batch.kv_caches is not self.kv_caches or not kernels.enabled():
+        """This step can take the driver: the same caches and weights, no hooks, kernels on."""
+        if batch.kv_caches is not self.kv_caches or not kernels.enabled():
             return False
         if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
             return False

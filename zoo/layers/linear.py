@@ -8,8 +8,8 @@ A fused weight carries `weight.shard_sizes` (and `bias.shard_sizes`): the rows e
 fills, in order. The loader's Fuse rule reads it to slice `q_proj` / `k_proj` / `v_proj` into `qkv_proj`
 and `gate_proj` / `up_proj` into `gate_up_proj`.
 
-Fast path: float32 on the CPU without autograd runs `zoo.kernels.linear` (a streaming GEMV / small GEMM
-over the checkpoint layout, torch's sgemm past kernels.SMALL_M rows); ZOO_FAST=0 keeps F.linear.
+Fast path: float32 on the CPU without autograd runs `zoo.kernels.linear` (a streaming GEMV for a few rows,
+a register-tiled GEMM for more, over the checkpoint layout); ZOO_FAST=0 keeps F.linear.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Metadata is built once per step in plain Python lists (a decode step has T = B e
 tensor per ForwardBatch field: no per-request tensor ops. On the CPU with the native kernels on
 (zoo.kernels; ZOO_FAST=0 turns them off): the float32 weights are packed into one buffer in the order a
 step reads them (kernels.pack_weights), the KV caches live in transparent huge pages (kernels.huge_empty),
-and steps of up to kernels.SMALL_M tokens of a Llama-structured model run as one native call
+and the steps of a Llama-structured model run as one native call
 (zoo.kernels.fused: the same kernels as the module path, equal logits bit for bit, no per-layer Python);
 other steps, other models and hooked models (parity taps) run the modules.
 `last_timings` holds the seconds each phase of the latest step took, and its requests and tokens
