@@ -394,18 +394,45 @@ static void panel_range(const float* xt, long M, long p0, long p1, const float* 
     }
 }
 
+// dst[k * ld + i] = src[i * lds + k] for 8 rows i and 8 columns k: eight 8-lane loads, three rounds of shuffles
+static inline void transpose8(const float* src, long lds, float* dst, long ld) {
+#if defined(__AVX2__)
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+#else
+    for (int k = 0; k < 8; k++)
+        for (int i = 0; i < 8; i++) dst[k * ld + i] = src[i * lds + k];
+#endif
+}
+
 // xt[p] [K, lanes] = the transpose of x's rows p * lanes .., zero-padded past M
 static void pack_panel(const float* x, long M, long ldx, long K, long lanes, long p, float* xt) {
     const long used = std::min(lanes, M - p * lanes);
     const float* src = x + p * lanes * ldx;
     float* dst = xt + p * K * lanes;
-    for (long k0 = 0; k0 < K; k0 += 64) {  // 64 k's of every row at a time: the rows' lines stay in L1
-        const long k1 = std::min(K, k0 + 64);
-        for (long l = 0; l < used; l++)
-            for (long k = k0; k < k1; k++) dst[k * lanes + l] = src[l * ldx + k];
-        for (long l = used; l < lanes; l++)
-            for (long k = k0; k < k1; k++) dst[k * lanes + l] = 0.0f;
+    long l = 0, k8 = K / 8 * 8;
+    for (; l + 8 <= used; l += 8)  // whole 8 x 8 squares
+        for (long k = 0; k < k8; k += 8) transpose8(src + l * ldx + k, ldx, dst + k * lanes + l, lanes);
+    for (long k = 0; k < K; k++) {  // the rows past the squares (fewer than 8), and the zero lanes
+        for (long i = l; i < used; i++) dst[k * lanes + i] = src[i * ldx + k];
+        for (long i = used; i < lanes; i++) dst[k * lanes + i] = 0.0f;
     }
+    for (long i = 0; i < l; i++)  // the squares' rows past the last whole 8 columns
+        for (long k = k8; k < K; k++) dst[k * lanes + i] = src[i * ldx + k];
 }
 
 extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
