@@ -330,16 +330,20 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++)
             for (int v = 0; v < NV; v++) acc[r][v] = vsplat<v8>(0.0f);
-        for (long k = k0; k < k1; k++) {
-            if (next && (k & 15) == 0)
-                for (int r = 0; r < R; r++) prefetch_l2(next + r * ldw + k);
-            v8 xv[NV];
+        for (long k16 = k0; k16 < k1; k16 += 16) {  // (blocks start at multiples of 16)
+            if (next)
+                for (int r = 0; r < R; r++) prefetch_l2(next + r * ldw + k16);
+            const long k2 = std::min(k1, k16 + 16);
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) xv[v] = *(const v8*)(xt + (k * NV + v) * 8);
+            for (long k = k16; k < k2; k++) {
+                v8 xv[NV];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) xv[v] = *(const v8*)(xt + (k * NV + v) * 8);
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const v8 wv = vsplat<v8>(w[r * ldw + k]);
-                for (int v = 0; v < NV; v++) acc[r][v] = fma8(wv, xv[v], acc[r][v]);
+                for (int r = 0; r < R; r++) {
+                    const v8 wv = vsplat<v8>(w[r * ldw + k]);
+                    for (int v = 0; v < NV; v++) acc[r][v] = fma8(wv, xv[v], acc[r][v]);
+                }
             }
         }
         v8* o = (v8*)out;
