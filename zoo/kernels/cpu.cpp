@@ -366,6 +366,31 @@ static inline void tile_rows(int rows, const float* xt, const float* w, long ldw
     }
 }
 
+// dst[k * ld + i] = src[i * lds + k] for 8 rows i and 8 columns k: eight 8-lane loads, three rounds of shuffles
+static inline void transpose8(const float* src, long lds, float* dst, long ld) {
+#if defined(__AVX2__)
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+#else
+    for (int k = 0; k < 8; k++)
+        for (int i = 0; i < 8; i++) dst[k * ld + i] = src[i * lds + k];
+#endif
+}
+
 // rows n0 .. n1 - 1 of w against the panels [p0, p1) of xt [P, K, 8 NV]: y[m, n] (+ b[n]). Each block of R
 // rows of w is read from memory once and then from L1 for the other panels. Tiles land in `stage`
 // [panels, SUB, lanes] and go to y SUB columns at a time: y's rows are N floats apart, which for N = 3072 puts
@@ -390,37 +415,21 @@ static void panel_range(const float* xt, long M, long p0, long p1, const float* 
         for (long p = p0; p < p1; p++) {
             const long lanes = std::min((long)LANES, M - p * LANES);
             const float* st = stage + (p - p0) * SUB * LANES;
-            for (long l = 0; l < lanes; l++) {
-                float* yr = y + (p * LANES + l) * ldy + n;
-                for (long j = 0; j < ns; j++) yr[j] = st[j * LANES + l] + (b ? b[n + j] : 0.0f);
+            float* yp = y + p * LANES * ldy + n;
+            long l8 = 0, j8 = ns / 8 * 8;
+            for (; l8 + 8 <= lanes; l8 += 8)  // 8 x 8 squares, then the bias
+                for (long j = 0; j < j8; j += 8) {
+                    transpose8(st + j * LANES + l8, LANES, yp + l8 * ldy + j, ldy);
+                    if (b)
+                        for (long l = l8; l < l8 + 8; l++)
+                            for (long i = 0; i < 8; i++) yp[l * ldy + j + i] += b[n + j + i];
+                }
+            for (long l = 0; l < lanes; l++) {  // the rest: lanes past the squares, columns past j8
+                float* yr = yp + l * ldy;
+                for (long j = l < l8 ? j8 : 0; j < ns; j++) yr[j] = st[j * LANES + l] + (b ? b[n + j] : 0.0f);
             }
         }
     }
-}
-
-// dst[k * ld + i] = src[i * lds + k] for 8 rows i and 8 columns k: eight 8-lane loads, three rounds of shuffles
-static inline void transpose8(const float* src, long lds, float* dst, long ld) {
-#if defined(__AVX2__)
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-#else
-    for (int k = 0; k < 8; k++)
-        for (int i = 0; i < 8; i++) dst[k * ld + i] = src[i * lds + k];
-#endif
 }
 
 // xt[p] [K, lanes] = the transpose of x's rows p * lanes .., zero-padded past M
