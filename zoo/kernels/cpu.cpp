@@ -125,6 +125,14 @@ static inline float dot(const float* a, const float* b, long n) {  // fixed orde
     return s;
 }
 
+// v's storage with room for n elements; thread-local scratch only grows (std::vector's resize zero-fills
+// what it adds, every time the size goes back up: megabytes per call when sizes alternate)
+template <typename T>
+static inline T* room(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Pool: run(fn, ctx, n, threads) calls fn(ctx, c) once for every chunk c < n, on the caller and up to
 // threads - 1 workers. state = epoch << 32 | next chunk; a chunk is claimed by a compare-and-swap that
@@ -401,8 +409,7 @@ static void panel_range(const float* xt, long M, long p0, long p1, const float* 
     constexpr int LANES = 8 * NV, R = 6;
     constexpr long SUB = 48;
     static thread_local std::vector<v8> stage_store;
-    stage_store.resize((p1 - p0) * SUB * NV);
-    float* stage = (float*)stage_store.data();
+    float* stage = (float*)room(stage_store, (p1 - p0) * SUB * NV);
     for (long n = n0; n < n1; n += SUB) {
         const long ns = std::min(SUB, n1 - n);
         for (long j = 0; j < ns; j += R) {
@@ -459,8 +466,7 @@ extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, lon
     // 384 KB, which stay in L2 while every row of w passes over them
     static thread_local std::vector<float> xt;
     const long lanes = M > 8 ? 16 : 8, P = (M + lanes - 1) / lanes;
-    xt.resize(P * K * lanes + 16);
-    float* xtp = (float*)(((uintptr_t)xt.data() + 63) & ~(uintptr_t)63);
+    float* xtp = (float*)(((uintptr_t)room(xt, P * K * lanes + 16) + 63) & ~(uintptr_t)63);
     parallel_for(P, 1, P * K >= 16384 ? nt : 1, [&](long p) { pack_panel(x, M, ldx, K, lanes, p, xtp); });
     const long chunk = std::max(1L, (384L << 10) / (K * lanes * 4));
     auto range = [&](long p0, long p1, long n0, long n1) {
@@ -764,8 +770,7 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const flo
                          const float* const* vrows, long at_k, long at_v, long D, float scale, long window,
                          float softcap, float* out, long out_st) {
     static thread_local std::vector<v16> mem;
-    mem.resize(2 * D + 2 * QB);
-    float* qt = (float*)mem.data();  // [D, QB]
+    float* qt = (float*)room(mem, 2 * D + 2 * QB);  // [D, QB]
     float* ot = qt + D * QB;         // [D, QB]
     float* st = ot + D * QB;         // [QB rows, QB lanes] scores, then probabilities
     for (long d = 0; d < D; d++)
@@ -889,9 +894,9 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
             const long* blk = &blocks[item / H * 3];
             const long b = blk[0], t0 = blk[1], n = blk[2], h = item % H, kh = h / G;
             const long pos0 = seq_lens[b] - (qsl[b + 1] - t0), last = pos0 + n - 1;
-            rows.resize(2 * (last + 1));
-            context(b, 0, last, rows.data(), rows.data() + last + 1);
-            attend_block(q + t0 * q_st + h * q_sh, q_st, n, pos0, rows.data(), rows.data() + last + 1, kh * k_head,
+            const float** krows = room(rows, 2 * (last + 1));
+            context(b, 0, last, krows, krows + last + 1);
+            attend_block(q + t0 * q_st + h * q_sh, q_st, n, pos0, krows, krows + last + 1, kh * k_head,
                          kh * v_head, D, scale, window, softcap, out + (t0 * H + h) * D, H * D);
             return;
         }
@@ -901,13 +906,11 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
         const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
         const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
         const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
-        rows.resize(2 * L);
-        const float** krows = rows.data();
+        const float** krows = room(rows, 2 * L);
         const float** vrows = krows + L;
         context(b, lo, p, krows, vrows);
         const float* qt = q + t * q_st;
-        sc.resize(H * Lp);
-        float* r = sc.data();
+        float* r = room(sc, H * Lp);
         if (cache)  // the first rows' lines, before all_scores prefetches the rest as it goes
             for (long j = 0; j < std::min(L, 8L); j++)
                 for (long off = 0; off < row; off += 16) prefetch_l2(krows[j] + off);
@@ -992,12 +995,13 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= table_len) return 2;
-    static thread_local std::vector<float> kept;  // the scratch of decode-sized steps stays; a prefill's goes
+    // scratch kept between steps up to 64M floats (a 2048-token step of SmolLM2 takes 18M): fresh memory
+    // each step cost page faults and zeroing, ~1% of a prefill
+    static thread_local std::vector<float> kept;
     std::vector<float> once;
     const long nqkv = (H + 2 * KV) * D, need = T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * Hd;
-    std::vector<float>& buf = need <= (4L << 20) ? kept : once;
-    buf.resize(need);
-    float* hidden = buf.data();        // [T, Hd] the residual stream
+    std::vector<float>& buf = need <= (64L << 20) ? kept : once;
+    float* hidden = room(buf, need);        // [T, Hd] the residual stream
     float* x = hidden + T * Hd;        // [T, Hd] normed
     float* h = x + T * Hd;             // [T, Hd] a block's output
     float* qkv = h + T * Hd;           // [T, (H + 2 KV) D]
