@@ -281,6 +281,29 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
         assert all(torch.equal(kv[k], mine[k]) for k in kv), f"step {step}: the caches differ"
 
 
+@pytest.mark.parametrize("lengths", [[3], [11], [9, 2, 17]])
+def test_fused_prefill_equals_the_modules_bit_for_bit(lengths, tmp_path):
+    """Prefill steps (the driver carries only the sampled rows past the last layer's attention): the logits
+    and every cache slot equal the modules', also when the step is short enough for the GEMV path (3 tokens)."""
+    from batching import allocate_kv, make_batch
+    from tiny import save_tiny
+    from zoo.build import build_model
+    from zoo.kernels.fused import FusedDecoder
+
+    model, *_ = build_model(save_tiny("Qwen2ForCausalLM", tmp_path, initializer_range=0.2))
+    kernels.pack_weights(model)
+    kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)
+    mine = {k: v.clone() for k, v in kv.items()}
+    fused = FusedDecoder.build(model, mine)
+    g = torch.Generator().manual_seed(1)
+    seqs = [(torch.randint(3, 100, (n,), generator=g).tolist(), 0) for n in lengths]
+    ids, batch = make_batch(seqs, kv, all_logits=False)
+    want = model.compute_logits(model(ids, batch.positions, batch)[batch.logits_indices])
+    ids, batch = make_batch(seqs, mine, all_logits=False)
+    assert torch.equal(fused(ids, batch.positions, batch), want)
+    assert all(torch.equal(kv[k], mine[k]) for k in kv)
+
+
 def test_fused_decoder_steps_aside_for_hooks(tmp_path):
     from batching import allocate_kv, make_batch
     from tiny import save_tiny

@@ -455,10 +455,11 @@ static void pack_panel(const float* x, long M, long ldx, long K, long lanes, lon
         for (long k = k8; k < K; k++) dst[k * lanes + i] = src[i * ldx + k];
 }
 
-extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
-                           float* y, long ldy, int nt) {
+// the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
+static void linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b, float* y,
+                   long ldy, int nt, long path_m) {
     const int threads = N * K >= 65536 ? nt : 1;
-    if (M <= 4) {
+    if (path_m <= 4) {
         parallel_guided(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
         return;
     }
@@ -486,6 +487,11 @@ extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, lon
         const long c = i / groups, g = i % groups;
         range(c * chunk, std::min(P, (c + 1) * chunk), g * G, std::min(N, (g + 1) * G));
     });
+}
+
+extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
+                           float* y, long ldy, int nt) {
+    linear(x, M, ldx, w, N, K, b, y, ldy, nt, M);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -999,19 +1005,22 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     // each step cost page faults and zeroing, ~1% of a prefill
     static thread_local std::vector<float> kept;
     std::vector<float> once;
-    const long nqkv = (H + 2 * KV) * D, need = T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * Hd;
+    const long nqkv = (H + 2 * KV) * D;
+    const long need = T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * (2 * Hd + H * D);
     std::vector<float>& buf = need <= (64L << 20) ? kept : once;
-    float* hidden = room(buf, need);        // [T, Hd] the residual stream
-    float* x = hidden + T * Hd;        // [T, Hd] normed
-    float* h = x + T * Hd;             // [T, Hd] a block's output
-    float* qkv = h + T * Hd;           // [T, (H + 2 KV) D]
-    float* qr = qkv + T * nqkv;        // [T, H, D] rotated q
-    float* kr = qr + T * H * D;        // [T, KV, D] rotated k
-    float* att = kr + T * KV * D;      // [T, H D]
-    float* gu = att + T * H * D;       // [T, 2 I]
-    float* act = gu + T * 2 * I;       // [T, I]
-    float* last = act + T * I;         // [N, Hd] the sampled rows, normed
+    float* hidden = room(buf, need);  // [T, Hd] the residual stream
+    float* x = hidden + T * Hd;       // [T, Hd] normed
+    float* h = x + T * Hd;            // [T, Hd] a block's output
+    float* qkv = h + T * Hd;          // [T, (H + 2 KV) D]
+    float* qr = qkv + T * nqkv;       // [T, H, D] rotated q
+    float* kr = qr + T * H * D;       // [T, KV, D] rotated k
+    float* att = kr + T * KV * D;     // [T, H D]
+    float* gu = att + T * H * D;      // [T, 2 I]
+    float* act = gu + T * 2 * I;      // [T, I]
+    float* last = act + T * I;        // [N, Hd] the sampled rows, normed
+    float* keep = last + N * Hd;      // [N, H D + Hd] the sampled rows' attention output and residual
     for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
+    long rows_on = T;  // rows carried on: all, until the last layer's attention
     for (long l = 0; l < nl; l++) {
         const LayerWeights& w = layers[l];
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
@@ -1020,15 +1029,30 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
                                 nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
         if (bad) return bad;
-        zoo_linear(att, T, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt);
-        for (long i = 0; i < T * Hd; i++) hidden[i] = hidden[i] + h[i];
-        zoo_rms_norm(hidden, T, Hd, Hd, w.ln2, eps, 0, x, nt);
-        zoo_linear(x, T, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt);
-        zoo_silu_mul(gu, T, I, 2 * I, act, nt);
-        zoo_linear(act, T, I, w.down, Hd, I, w.down_bias, h, Hd, nt);
-        for (long i = 0; i < T * Hd; i++) hidden[i] = hidden[i] + h[i];
+        if (l == nl - 1 && N < T) {  // every token's K and V are written: only the sampled rows go on (a prefill
+            // step skips the last layer's MLP for the rest, 1 / L of its work). Each kernel below computes a row
+            // alone, on the path it takes for T rows: the logits are those of the whole step, bit for bit.
+            for (long r = 0; r < N; r++) {
+                memcpy(keep + r * (H * D + Hd), att + rows[r] * H * D, H * D * sizeof(float));
+                memcpy(keep + r * (H * D + Hd) + H * D, hidden + rows[r] * Hd, Hd * sizeof(float));
+            }
+            for (long r = 0; r < N; r++) {
+                memcpy(att + r * H * D, keep + r * (H * D + Hd), H * D * sizeof(float));
+                memcpy(hidden + r * Hd, keep + r * (H * D + Hd) + H * D, Hd * sizeof(float));
+            }
+            rows_on = N;
+        }
+        const long R = rows_on;
+        linear(att, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
+        for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
+        zoo_rms_norm(hidden, R, Hd, Hd, w.ln2, eps, 0, x, nt);
+        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, T);
+        zoo_silu_mul(gu, R, I, 2 * I, act, nt);
+        linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, T);
+        for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
     }
-    for (long r = 0; r < N; r++) memcpy(x + r * Hd, hidden + rows[r] * Hd, Hd * sizeof(float));
+    for (long r = 0; r < N; r++)
+        memcpy(x + r * Hd, hidden + (rows_on == T ? rows[r] : r) * Hd, Hd * sizeof(float));
     zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, 0, last, nt);
     zoo_linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt);
     return 0;
