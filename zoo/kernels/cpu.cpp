@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -883,21 +884,29 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
             }
         }
     };
-    // work items: (request, first token, tokens) x head for the blocks of prefilling requests, then single tokens
-    std::vector<long> blocks, singles;
+    // work items: (request, first token, tokens) x head for the blocks of prefilling requests, then single
+    // tokens; each kind longest context first, so that the threads end together (the last item claimed is a
+    // short one: with requests in arrival order the longest often came last, a thread waiting on it alone)
+    std::vector<std::array<long, 3>> blocks;
+    std::vector<long> singles;
     for (long b = 0; b < B; b++) {
         const long n = qsl[b + 1] - qsl[b];
         if (n >= QB / 2)
-            for (long t = qsl[b]; t < qsl[b + 1]; t += QB) blocks.insert(blocks.end(), {b, t, std::min(QB, qsl[b + 1] - t)});
+            for (long t = qsl[b]; t < qsl[b + 1]; t += QB) blocks.push_back({b, t, std::min(QB, qsl[b + 1] - t)});
         else
             for (long t = qsl[b]; t < qsl[b + 1]; t++) singles.push_back(t);
     }
-    const long nblock = (long)blocks.size() / 3 * H;
+    auto position = [&](long t) { return seq_lens[req[t]] - (qsl[req[t] + 1] - t); };
+    std::stable_sort(blocks.begin(), blocks.end(), [&](const auto& a, const auto& c) {
+        return position(a[1]) + a[2] > position(c[1]) + c[2];
+    });
+    std::stable_sort(singles.begin(), singles.end(), [&](long a, long c) { return position(a) > position(c); });
+    const long nblock = (long)blocks.size() * H;
     parallel_for(nblock + (long)singles.size(), 1, work * KV * D >= 32768 ? nt : 1, [&](long item) {
         static thread_local std::vector<float> sc;
         static thread_local std::vector<const float*> rows;
         if (item < nblock) {
-            const long* blk = &blocks[item / H * 3];
+            const long* blk = blocks[item / H].data();
             const long b = blk[0], t0 = blk[1], n = blk[2], h = item % H, kh = h / G;
             const long pos0 = seq_lens[b] - (qsl[b + 1] - t0), last = pos0 + n - 1;
             const float** krows = room(rows, 2 * (last + 1));
