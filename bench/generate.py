@@ -1,7 +1,7 @@
 """Generation benchmark: zoo's runtime vs transformers on SmolLM2-135M-Instruct (the embedded GGUF, dequantised),
 float32, greedy, 2 torch threads. Both run in this one process, on the same prompts, one after the other.
 
-    python bench/generate.py [--requests 16] [--new-tokens 64] [--repeat 3] [--decode-repeat 5] [--quick]
+    python bench/generate.py [--requests 16] [--new-tokens 64] [--repeat 5] [--decode-repeat 5] [--quick]
     python bench/generate.py --moe [bench/generate_moe.py's options]   # the MoE case: a random-weight
                                     # Mixtral (8 experts, top-2) vs transformers, see bench/generate_moe.py
 
@@ -17,8 +17,12 @@ float32, greedy, 2 torch threads. Both run in this one process, on the same prom
 (5) zoo's per-step CPU overhead at batch R (decode steps of (1)): the step's wall time minus the model's
     forward and logits, i.e. scheduling, metadata, sampling, bookkeeping and detokenisation.
 The zoo side runs as `zoo run` would: native kernels on unless ZOO_FAST=0 (then the torch reference path).
-Throughputs are medians over --repeat runs (each run alternates zoo and transformers); (3) runs once.
---quick: one run of each and (3) on 4 prompts, a smoke test of the script (its ratios mean little).
+(1) and (4) run --repeat rounds, each round zoo then transformers on the same work; the verdict is the median of
+the rounds' ratios (the two runs of a round see the same machine: its memory bandwidth and neighbours change
+by 1.5x within minutes here), and the ratio of the median throughputs is shown too. A warm-up round of (1)
+on both sides comes first (first use of the KV pool's memory, allocator growth). (3) runs once.
+--quick: no warm-up round, one run of each and (3) on 4 prompts, a smoke test of the script (its ratios mean
+little).
 Greedy outputs are compared with transformers' and every mismatch is reported. The machine may be
 shared: the load average is printed with the results.
 """
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3, help="runs of (1) and (4); medians are reported")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of (1) and (4); medians are reported")
     ap.add_argument("--decode-repeat", type=int, default=5, help="samples of (2), each with its own floor")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one run each, (3) on 4 prompts: a smoke test")
@@ -180,9 +184,10 @@ def main(argv=None) -> int:
 
     prompts = make_prompts(tok, args.requests)
     n_prompt = sum(len(p) for p in prompts)
-    say("warm-up")
-    zoo_batch(llm, prompts[:2], 2)
-    hf_batch(ref, tok, prompts[:2], 2)
+    say("warm-up" + ("" if args.quick else f": a round of (1)"))
+    warm = prompts[:2] if args.quick else prompts
+    zoo_batch(llm, warm, 2 if args.quick else args.new_tokens)
+    hf_batch(ref, tok, warm, 2 if args.quick else args.new_tokens)
     timer = StepTimer(llm)
 
     say(f"(1) {args.requests} requests, prompts {len(prompts[0])}..{len(prompts[-1])} tokens, "
@@ -240,14 +245,16 @@ def main(argv=None) -> int:
     overhead_ms = step_ms - model_ms
 
     zoo_tps, hf_tps = n_out / median(zoo_s), n_out / median(hf_s)
+    batch_rounds = [h / z for z, h in zip(zoo_s, hf_s)]  # per round: transformers time / zoo time
+    prefill_rounds = [h / z for z, h in zip(zoo_pf, hf_pf)]
     n_serial = len(serial) * args.new_tokens
     zoo_pf_tps, hf_pf_tps = n_prompt / median(zoo_pf), n_prompt / median(hf_pf)
     zb1, hb1 = median(zoo_ms), median(hf_ms)
     ratios = {
-        "batch": zoo_tps / hf_tps,
+        "batch": median(batch_rounds),
         "floor": median(floor_ratios),
         "serial": hf_serial / zoo_serial,
-        "prefill": zoo_pf_tps / hf_pf_tps,
+        "prefill": median(prefill_rounds),
         "overhead": overhead_ms / step_ms,
     }
 
@@ -272,8 +279,12 @@ def main(argv=None) -> int:
          f"step {step_ms:.1f} ms", f"{ratios['overhead']:.1%} of the step", f"< {GOALS['overhead']:.0%}",
          verdict(ratios["overhead"] < GOALS["overhead"])),
     ])
-    print(f"\n(1) runs: zoo {', '.join(f'{n_out / s:.1f}' for s in zoo_s)} tok/s; transformers "
-          f"{', '.join(f'{n_out / s:.1f}' for s in hf_s)} tok/s")
+    print(f"\n(1) rounds: zoo {', '.join(f'{n_out / s:.1f}' for s in zoo_s)} tok/s; transformers "
+          f"{', '.join(f'{n_out / s:.1f}' for s in hf_s)} tok/s; ratio per round "
+          f"{', '.join(f'{r:.2f}x' for r in batch_rounds)} (ratio of the medians {zoo_tps / hf_tps:.2f}x)")
+    print(f"(4) rounds: zoo {', '.join(f'{n_prompt / s:.0f}' for s in zoo_pf)} tok/s; transformers "
+          f"{', '.join(f'{n_prompt / s:.0f}' for s in hf_pf)} tok/s; ratio per round "
+          f"{', '.join(f'{r:.2f}x' for r in prefill_rounds)} (ratio of the medians {zoo_pf_tps / hf_pf_tps:.2f}x)")
     print(f"(2) runs: zoo {', '.join(f'{m:.1f}' for m in zoo_ms)} ms; transformers "
           f"{', '.join(f'{m:.1f}' for m in hf_ms)} ms; transformers / zoo {hb1 / zb1:.2f}x; floor / zoo per run "
           f"{', '.join(f'{r:.0%}' for r in floor_ratios)} (ratio of the medians {floor_ms / zb1:.0%})")
