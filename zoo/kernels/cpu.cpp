@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <new>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -325,32 +324,6 @@ static void linear_few(const float* x, long M, long ldx, const float* w, long n0
     }
 }
 
-// Side reads: memory the next kernel will read (in a decode step, the next layer's KV blocks), as equal-size
-// blocks. A decode step's GEMMs are bound by their FLOPs with memory bandwidth to spare, its attention by the
-// bandwidth: the MLP's tiles pull the next layer's KV towards the caches a few lines at a time between their
-// own loads, so that attention reads it from L2/L3.
-struct Side {
-    const char* const* blocks;  // block base addresses
-    long lines_per_block;       // 64-byte lines per block
-    long total;                 // lines in all
-};
-
-// the lines [first, first + count) of a Side, `per_step` at a time
-struct SideCursor {
-    const Side* side;
-    long block, line, left;
-    int per_step;
-    SideCursor(const Side* s, long first, long count, long steps)
-        : side(s), block(first / s->lines_per_block), line(first % s->lines_per_block), left(count),
-          per_step((int)((count + steps - 1) / std::max(1L, steps))) {}
-    inline void step() {
-        for (int i = 0; i < per_step && left > 0; i++, left--) {
-            prefetch_l2((const float*)(side->blocks[block] + line * 64));
-            if (++line == side->lines_per_block) line = 0, block++;
-        }
-    }
-};
-
 // One tile: out[r, l] = sum_k w[r ldw + k] xt[k, l] for R rows of w and a panel xt [K, 8 NV] of 8 NV rows of x.
 // Per k: NV vector loads of xt, R broadcasts of w, R NV fused multiply-adds into 2 R NV accumulators that stay
 // in registers (R = 6, NV = 2: 12 of AVX2's 16). Sums run over blocks of KB k's and each block's sum is added
@@ -358,8 +331,7 @@ struct SideCursor {
 // see tests/test_kernels.py). `next` (or nullptr): R rows (stride ldw) to pull towards L2 meanwhile, a line
 // per 16 k's.
 template <int NV, int R>
-static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next,
-                        SideCursor* side) {
+static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next) {
     constexpr long KB = 128;
     for (long k0 = 0; k0 < K; k0 += KB) {
         const long k1 = std::min(K, k0 + KB);
@@ -370,7 +342,6 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
         for (long k16 = k0; k16 < k1; k16 += 16) {  // (blocks start at multiples of 16)
             if (next)
                 for (int r = 0; r < R; r++) prefetch_l2(next + r * ldw + k16);
-            if (side) side->step();
             const long k2 = std::min(k1, k16 + 16);
 #pragma GCC unroll 4
             for (long k = k16; k < k2; k++) {
@@ -393,14 +364,14 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
 // tile<NV, rows> for 1 <= rows <= 6
 template <int NV>
 static inline void tile_rows(int rows, const float* xt, const float* w, long ldw, long K, float* out,
-                             const float* next, SideCursor* side = nullptr) {
+                             const float* next) {
     switch (rows) {
-        case 6: tile<NV, 6>(xt, w, ldw, K, out, next, side); break;
-        case 5: tile<NV, 5>(xt, w, ldw, K, out, next, side); break;
-        case 4: tile<NV, 4>(xt, w, ldw, K, out, next, side); break;
-        case 3: tile<NV, 3>(xt, w, ldw, K, out, next, side); break;
-        case 2: tile<NV, 2>(xt, w, ldw, K, out, next, side); break;
-        default: tile<NV, 1>(xt, w, ldw, K, out, next, side); break;
+        case 6: tile<NV, 6>(xt, w, ldw, K, out, next); break;
+        case 5: tile<NV, 5>(xt, w, ldw, K, out, next); break;
+        case 4: tile<NV, 4>(xt, w, ldw, K, out, next); break;
+        case 3: tile<NV, 3>(xt, w, ldw, K, out, next); break;
+        case 2: tile<NV, 2>(xt, w, ldw, K, out, next); break;
+        default: tile<NV, 1>(xt, w, ldw, K, out, next); break;
     }
 }
 
@@ -435,25 +406,19 @@ static inline void transpose8(const float* src, long lds, float* dst, long ld) {
 // them all in one L1 set, and writing a few floats of each row per tile measured 15% slower.
 template <int NV>
 static void panel_range(const float* xt, long M, long p0, long p1, const float* w, long n0, long n1, long K,
-                        const float* b, float* y, long ldy, const Side* side, long N) {
+                        const float* b, float* y, long ldy) {
     constexpr int LANES = 8 * NV, R = 6;
     constexpr long SUB = 48;
     static thread_local std::vector<v8> stage_store;
     float* stage = (float*)room(stage_store, (p1 - p0) * SUB * NV);
-    alignas(SideCursor) char cursor_store[sizeof(SideCursor)];
     for (long n = n0; n < n1; n += SUB) {
         const long ns = std::min(SUB, n1 - n);
         for (long j = 0; j < ns; j += R) {
             const int rows = (int)std::min<long>(R, ns - j);
             const float* wb = w + (n + j) * K;
-            SideCursor* sc = nullptr;
-            if (side) {  // this block's share of the side lines: rows n + j .. of N
-                const long a = side->total * (n + j) / N, e = side->total * (n + j + rows) / N;
-                sc = new (&cursor_store) SideCursor(side, a, e - a, (K + 15) / 16);
-            }
             for (long p = p0; p < p1; p++)  // w is read from memory on the first panel: prefetch the next block
                 tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, stage + ((p - p0) * SUB + j) * LANES,
-                              p == p0 ? wb + R * K : nullptr, p == p0 ? sc : nullptr);
+                              p == p0 ? wb + R * K : nullptr);
         }
         for (long p = p0; p < p1; p++) {
             const long lanes = std::min((long)LANES, M - p * LANES);
@@ -493,7 +458,7 @@ static void pack_panel(const float* x, long M, long ldx, long K, long lanes, lon
 
 // the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
 static void linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b, float* y,
-                   long ldy, int nt, long path_m, const Side* side = nullptr) {
+                   long ldy, int nt, long path_m) {
     const int threads = N * K >= 65536 ? nt : 1;
     if (path_m <= 4) {
         parallel_guided(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
@@ -507,11 +472,10 @@ static void linear(const float* x, long M, long ldx, const float* w, long N, lon
     parallel_for(P, 1, P * K >= 16384 ? nt : 1, [&](long p) { pack_panel(x, M, ldx, K, lanes, p, xtp); });
     const long chunk = std::max(1L, (384L << 10) / (K * lanes * 4));
     auto range = [&](long p0, long p1, long n0, long n1) {
-        const Side* s = P <= chunk ? side : nullptr;  // (a prefill's attention is bound by FLOPs: no side reads)
         if (lanes == 16)
-            panel_range<2>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy, s, N);
+            panel_range<2>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
         else
-            panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy, s, N);
+            panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
     };
     if (P <= chunk) {  // one chunk (decode): long sequential ranges of w first, as linear_few
         parallel_guided(N, 48, threads, [&](long n0, long n1) { range(0, P, n0, n1); });
@@ -1066,22 +1030,8 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     float* keep = last + N * Hd;      // [N, H D + Hd] the sampled rows' attention output and residual
     for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
     long rows_on = T;  // rows carried on: all, until the last layer's attention
-    // a decode step (every request brings fewer than QB / 2 tokens): its MLP pulls in the next layer's KV blocks,
-    // up to 16 MB (offsets into a layer's cache, the same for every layer)
-    const long row = 2 * KV * D, block_bytes = bs * row * (long)sizeof(float);
-    std::vector<long> kv_blocks;
-    bool decode = true;
-    for (long b = 0; b < B; b++) decode &= qsl[b + 1] - qsl[b] < QB / 2;
-    for (long b = 0; decode && b < B; b++)
-        for (long i = 0; i < (seq_lens[b] + bs - 1) / bs && (long)kv_blocks.size() * block_bytes < (16L << 20); i++)
-            kv_blocks.push_back((long)tables[b * max_blocks + i] * bs * row);
-    std::vector<const char*> next_blocks(kv_blocks.size());
     for (long l = 0; l < nl; l++) {
         const LayerWeights& w = layers[l];
-        Side side{next_blocks.data(), block_bytes / 64, (long)kv_blocks.size() * (block_bytes / 64)};
-        if (l + 1 < nl)
-            for (size_t i = 0; i < kv_blocks.size(); i++)
-                next_blocks[i] = (const char*)(layers[l + 1].cache + kv_blocks[i]);
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
         zoo_linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt);
         zoo_rope(qkv, nqkv, D, H, qr, qkv + H * D, nqkv, D, KV, kr, T, D, pos, cos, sin, table_len, F, nt);
@@ -1105,8 +1055,7 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         linear(att, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
         for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
         zoo_rms_norm(hidden, R, Hd, Hd, w.ln2, eps, 0, x, nt);
-        const Side* pull = l + 1 < nl && side.total ? &side : nullptr;
-        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, T, pull);
+        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, T);
         zoo_silu_mul(gu, R, I, 2 * I, act, nt);
         linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, T);
         for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
