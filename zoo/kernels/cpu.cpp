@@ -263,24 +263,18 @@ static void parallel_for(long n, long grain, int threads, const Body& body) {
     }, &ctx, chunks, threads);
 }
 
-// run body(begin, end) over [0, n) in ranges that shrink from n / (2 threads) to `grain` items (multiples of
-// it): few claims while there is much left, small ones at the end so the threads finish together
+// run body(begin, end) over [0, n) in 2 x threads ranges (multiples of grain) claimed in the order 0, 2, .., 1,
+// 3, ..: a thread's second range is likely the one after its first, so a stream over w (a GEMV, or a decode
+// GEMM prefetching its next block) carries on instead of starting cold (3-4% of a decode step when ranges
+// shrank from n / 2 threads down to the grain); a late thread costs a quarter of the work at most
 template <typename Body>
-static void parallel_guided(long n, long grain, int threads, const Body& body) {
-    static thread_local std::vector<long> bounds;
-    bounds.assign(1, 0);
-    grain = std::max(1L, grain);
-    for (long at = 0; at < n;) {
-        long left = n - at, size = std::max(grain, (left / (2 * std::max(1, threads)) + grain - 1) / grain * grain);
-        at = std::min(n, at + size);
-        bounds.push_back(at);
-    }
-    struct Ctx { const Body* body; const long* bounds; };
-    Ctx ctx{&body, bounds.data()};
-    pool().run([](const void* p, long c) {
-        const Ctx* x = (const Ctx*)p;
-        (*x->body)(x->bounds[c], x->bounds[c + 1]);
-    }, &ctx, (long)bounds.size() - 1, threads);
+static void paired_ranges(long n, long grain, int threads, const Body& body) {
+    const long parts = 2L * std::max(1, threads), step = (n / parts + grain - 1) / grain * grain;
+    parallel_for(parts, 1, threads, [&](long c) {
+        const long part = (c % threads) * 2 + c / threads;
+        const long b = std::min(n, part * step), e = part + 1 == parts ? n : std::min(n, (part + 1) * step);
+        if (b < e) body(b, e);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -461,7 +455,7 @@ static void linear(const float* x, long M, long ldx, const float* w, long N, lon
                    long ldy, int nt, long path_m) {
     const int threads = N * K >= 65536 ? nt : 1;
     if (path_m <= 4) {
-        parallel_guided(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
+        paired_ranges(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
         return;
     }
     // x in panels of 16 rows (8 when M <= 8: no wasted lanes), xt [P, K, lanes]; the panels in chunks of about
@@ -477,14 +471,8 @@ static void linear(const float* x, long M, long ldx, const float* w, long N, lon
         else
             panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
     };
-    if (P <= chunk) {  // one chunk (decode): w in 2 x threads ranges claimed in the order 0, 2, .., 1, 3, ..: a
-        // thread's second range is likely the one after its first, whose first block it has prefetched (a range
-        // started cold measured 3-4% slower in all); a late thread costs a quarter of the work at most
-        const long parts = 2L * threads, step = (N / parts + 47) / 48 * 48;
-        parallel_for(parts, 1, threads, [&](long c) {
-            const long part = (c % threads) * 2 + c / threads;
-            range(0, P, std::min(N, part * step), part + 1 == parts ? N : std::min(N, (part + 1) * step));
-        });
+    if (P <= chunk) {  // one chunk (decode): w streams once, in paired ranges
+        paired_ranges(N, 48, threads, [&](long n0, long n1) { range(0, P, n0, n1); });
         return;
     }
     // many chunks (prefill): one item = one chunk x 96 rows of w, claimed in order, so the threads work on
