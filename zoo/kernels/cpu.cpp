@@ -14,7 +14,7 @@
 // most one chunk, where a fork-join barrier (OpenMP) waits for it at every kernel. Every output element is
 // computed by one thread in a fixed order: results do not depend on the thread count.
 //
-// Contents: Pool; linear (GEMV / small GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; argmax;
+// Contents: Pool; linear (GEMV / GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; argmax;
 // zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py).
 #include <unistd.h>
 
@@ -284,8 +284,13 @@ static void paired_ranges(long n, long grain, int threads, const Body& body) {
 // at the memory's speed; several interleaved row streams measured 2x slower), and dots each row with every
 // row of x (x stays in L1).
 // More rows: x is transposed into panels of 16 rows (8 when M <= 8), xt [K, lanes]; each w element is
-// broadcast against a panel column, so the outputs of one w row for a whole panel accumulate in one vector
-// with no horizontal sums; R = 6 rows of w at a time keep the FMA units busy.
+// broadcast against a panel row, so the outputs of one w row for a whole panel accumulate in one vector with
+// no horizontal sums; a tile of R = 6 rows of w x 16 lanes keeps 12 accumulators in registers (93-95% of one
+// core's FMA peak when its operands are in cache). Decode-sized x (one chunk of panels): each thread streams
+// long ranges of w, each tile prefetching the next block of w. Prefill: the panels in chunks that stay in L2
+// while blocks of w (from L1) pass over them. Every row of y is computed alone, in an order that depends only
+// on the path (GEMV or panels): the rows' results never depend on the other rows or the thread count.
+// (On this CPU's two cores: ~200 GFLOP/s of 233 peak for a prefill, MKL's sgemm ~185; 190 at decode.)
 
 template <int MB>
 static inline void dot_rows(const float* x, long ldx, const float* w, long K, float* y, long ldy, float bias) {
