@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from batching import (allocate_kv, assert_close, make_batch, random_prompts, reference_chunks, run_schedule,
                       run_step)
 from kernel_paths import ops  # noqa: F401  (fixture)
-from tiny import load_reference, save_tiny
+from tiny import built_case, load_reference, save_tiny
 from loader import LoadError
 from zoo.build import build_model
 from zoo.runtime.batch import MissingCache
@@ -55,8 +55,6 @@ CASES = {
         final_logit_softcapping=3.0, layer_types=["full_attention", "sliding_attention"])),
 }
 
-_built: dict[str, tuple] = {}
-
 
 @pytest.fixture(autouse=True)
 def both_paths(ops):
@@ -67,15 +65,10 @@ def both_paths(ops):
 @pytest.fixture(params=list(CASES))
 def case(request, tmp_path_factory):
     """(name, checkpoint dir, zoo model, transformers model), each built once per session."""
-    name = request.param
-    if name not in _built:
-        arch, overrides = CASES[name]
-        # a wide init: attention far from uniform, so masking and rotation errors show in the logits
-        path = save_tiny(arch, tmp_path_factory.mktemp(name), initializer_range=0.2, **overrides)
-        model, _, spec, _ = build_model(path)
-        assert spec.architectures == (arch,)
-        _built[name] = (name, path, model, load_reference(path))
-    return _built[name]
+    arch, overrides = CASES[request.param]
+    *built, spec = built_case(arch, overrides, request.param, tmp_path_factory)
+    assert spec.architectures == (arch,)
+    return tuple(built)
 
 
 def fresh(name, path, ref):

@@ -14,7 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from batching import allocate_kv, assert_close, random_prompts, reference_chunks, run_schedule, run_step
 from loader import LoadError
-from tiny import load_reference, save_tiny
+from tiny import built_case, load_reference, save_tiny
 from zoo.build import build_model
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import SparseMoeBlock, StackedExperts
@@ -162,20 +162,15 @@ CASES = {
     # whole-width q/k norm, q/k/v clipped
     "olmoe": ("OlmoeForCausalLM", dict(num_experts=E, num_experts_per_tok=K, clip_qkv=0.6)),
 }
-_built: dict[str, tuple] = {}
 
 
 @pytest.fixture(params=list(CASES))
 def case(request, tmp_path_factory):
     """(name, checkpoint dir, zoo model, transformers model), each built once per session."""
-    name = request.param
-    if name not in _built:
-        arch, overrides = CASES[name]
-        path = save_tiny(arch, tmp_path_factory.mktemp(name), initializer_range=0.2, **overrides)
-        model, _, spec, _ = build_model(path)
-        assert spec.architectures == (arch,) and spec.family == "moe"
-        _built[name] = (name, path, model, load_reference(path))
-    return _built[name]
+    arch, overrides = CASES[request.param]
+    *built, spec = built_case(arch, overrides, request.param, tmp_path_factory)
+    assert spec.architectures == (arch,) and spec.family == "moe"
+    return tuple(built)
 
 
 def test_sparse_layers_and_windows_follow_transformers(case):

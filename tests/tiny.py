@@ -52,3 +52,20 @@ def load_reference(path: str | Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+
+
+_built: dict[tuple, tuple] = {}
+
+
+def built_case(architecture: str, overrides: dict, name: str, tmp_path_factory) -> tuple:
+    """(name, checkpoint dir, zoo model, transformers model, zoo ArchSpec) for a tiny checkpoint of
+    `architecture`, built once per session and name. A wide init: attention far from uniform, so masking and
+    rotation errors show in the logits."""
+    from zoo.build import build_model
+
+    key = (name, architecture)
+    if key not in _built:
+        path = save_tiny(architecture, tmp_path_factory.mktemp(name), initializer_range=0.2, **overrides)
+        model, _, spec, _ = build_model(path)
+        _built[key] = (name, path, model, load_reference(path), spec)
+    return _built[key]

@@ -71,17 +71,7 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-template <typename V> static inline V vload(const float* p);
-template <> inline v16 vload<v16>(const float* p) { return load(p); }
-template <> inline v8 vload<v8>(const float* p) { return *(const v8u*)p; }
-template <typename V> static inline V vsplat(float x);
-template <> inline v16 vsplat<v16>(float x) { return splat(x); }
-template <> inline v8 vsplat<v8>(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-static inline v16 vfma(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
-static inline v8 vfma(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
-static inline void vstore(float* p, v16 v) { store(p, v); }
-static inline void vstore(float* p, v8 v) { *(v8u*)p = v; }
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 // sum of the 16 lanes, in a fixed tree order
 static inline float hsum(v16 v) {
@@ -337,7 +327,7 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
         v8 acc[R][NV];
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++)
-            for (int v = 0; v < NV; v++) acc[r][v] = vsplat<v8>(0.0f);
+            for (int v = 0; v < NV; v++) acc[r][v] = splat8(0.0f);
         for (long k16 = k0; k16 < k1; k16 += 16) {  // (blocks start at multiples of 16)
             if (next)
                 for (int r = 0; r < R; r++) prefetch_l2(next + r * ldw + k16);
@@ -349,7 +339,7 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
                 for (int v = 0; v < NV; v++) xv[v] = *(const v8*)(xt + (k * NV + v) * 8);
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
-                    const v8 wv = vsplat<v8>(w[r * ldw + k]);
+                    const v8 wv = splat8(w[r * ldw + k]);
                     for (int v = 0; v < NV; v++) acc[r][v] = fma8(wv, xv[v], acc[r][v]);
                 }
             }
@@ -711,13 +701,13 @@ static inline void block_scores(const float* qt, long D, const float* const* kro
     for (; j + 4 <= nj; j += 4) {
         const float *k0 = krows[j] + at, *k1 = krows[j + 1] + at, *k2 = krows[j + 2] + at, *k3 = krows[j + 3] + at;
         v8 a[4][2];
-        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = vsplat<v8>(0.0f);
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = splat8(0.0f);
         for (long d = 0; d < D; d++) {
             const v8 x0 = *(const v8*)(qt + d * QB), x1 = *(const v8*)(qt + d * QB + 8);
             const float kd[4] = {k0[d], k1[d], k2[d], k3[d]};
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const v8 kv = vsplat<v8>(kd[r]);
+                const v8 kv = splat8(kd[r]);
                 a[r][0] = fma8(kv, x0, a[r][0]);
                 a[r][1] = fma8(kv, x1, a[r][1]);
             }
@@ -729,9 +719,9 @@ static inline void block_scores(const float* qt, long D, const float* const* kro
     }
     for (; j < nj; j++) {
         const float* kr = krows[j] + at;
-        v8 a0 = vsplat<v8>(0.0f), a1 = a0;
+        v8 a0 = splat8(0.0f), a1 = a0;
         for (long d = 0; d < D; d++) {
-            const v8 kv = vsplat<v8>(kr[d]);
+            const v8 kv = splat8(kr[d]);
             a0 = fma8(kv, *(const v8*)(qt + d * QB), a0);
             a1 = fma8(kv, *(const v8*)(qt + d * QB + 8), a1);
         }
@@ -751,7 +741,7 @@ static inline void block_values(const float* pt, long nj, const float* const* vr
             const v8 x0 = *(const v8*)(pt + j * QB), x1 = *(const v8*)(pt + j * QB + 8);
 #pragma GCC unroll 6
             for (int r = 0; r < 6; r++) {
-                const v8 vv = vsplat<v8>(vr[r]);
+                const v8 vv = splat8(vr[r]);
                 a[r][0] = fma8(vv, x0, a[r][0]);
                 a[r][1] = fma8(vv, x1, a[r][1]);
             }
@@ -761,7 +751,7 @@ static inline void block_values(const float* pt, long nj, const float* const* vr
     for (; d0 < D; d0++) {
         v8 a0 = *(v8*)(ot + d0 * QB), a1 = *(v8*)(ot + d0 * QB + 8);
         for (long j = 0; j < nj; j++) {
-            const v8 vv = vsplat<v8>(vrows[j][at + d0]);
+            const v8 vv = splat8(vrows[j][at + d0]);
             a0 = fma8(vv, *(const v8*)(pt + j * QB), a0);
             a1 = fma8(vv, *(const v8*)(pt + j * QB + 8), a1);
         }
@@ -1026,9 +1016,10 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     float* gu = att + T * H * D;      // [T, 2 I]
     float* act = gu + T * 2 * I;      // [T, I]
     float* last = act + T * I;        // [N, Hd] the sampled rows, normed
-    float* keep = last + N * Hd;      // [N, H D + Hd] the sampled rows' attention output and residual
+    float* keep_att = last + N * Hd;  // [N, H D] the sampled rows' attention output (last layer)
+    float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
     for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
-    long rows_on = T;  // rows carried on: all, until the last layer's attention
+    bool pruned = false;  // past the last layer's attention, only the sampled rows (in keep_*)
     for (long l = 0; l < nl; l++) {
         const LayerWeights& w = layers[l];
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
@@ -1037,30 +1028,27 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
                                 nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
         if (bad) return bad;
+        float *a_in = att, *res = hidden;  // the rows that go on: all, or after the last attention the sampled
+        long R = T;
         if (l == nl - 1 && N < T) {  // every token's K and V are written: only the sampled rows go on (a prefill
             // step skips the last layer's MLP for the rest, 1 / L of its work). Each kernel below computes a row
             // alone, on the path it takes for T rows: the logits are those of the whole step, bit for bit.
             for (long r = 0; r < N; r++) {
-                memcpy(keep + r * (H * D + Hd), att + rows[r] * H * D, H * D * sizeof(float));
-                memcpy(keep + r * (H * D + Hd) + H * D, hidden + rows[r] * Hd, Hd * sizeof(float));
+                memcpy(keep_att + r * H * D, att + rows[r] * H * D, H * D * sizeof(float));
+                memcpy(keep_hid + r * Hd, hidden + rows[r] * Hd, Hd * sizeof(float));
             }
-            for (long r = 0; r < N; r++) {
-                memcpy(att + r * H * D, keep + r * (H * D + Hd), H * D * sizeof(float));
-                memcpy(hidden + r * Hd, keep + r * (H * D + Hd) + H * D, Hd * sizeof(float));
-            }
-            rows_on = N;
+            a_in = keep_att, res = keep_hid, R = N, pruned = true;
         }
-        const long R = rows_on;
-        linear(att, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
-        for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
-        zoo_rms_norm(hidden, R, Hd, Hd, w.ln2, eps, 0, x, nt);
+        linear(a_in, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
+        for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
+        zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, 0, x, nt);
         linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, T);
         zoo_silu_mul(gu, R, I, 2 * I, act, nt);
         linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, T);
-        for (long i = 0; i < R * Hd; i++) hidden[i] = hidden[i] + h[i];
+        for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
     }
     for (long r = 0; r < N; r++)
-        memcpy(x + r * Hd, hidden + (rows_on == T ? rows[r] : r) * Hd, Hd * sizeof(float));
+        memcpy(x + r * Hd, pruned ? keep_hid + r * Hd : hidden + rows[r] * Hd, Hd * sizeof(float));
     zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, 0, last, nt);
     zoo_linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt);
     return 0;
