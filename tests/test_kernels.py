@@ -281,16 +281,22 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
         assert all(torch.equal(kv[k], mine[k]) for k in kv), f"step {step}: the caches differ"
 
 
-@pytest.mark.parametrize("lengths", [[3], [11], [9, 2, 17]])
+@pytest.mark.parametrize("lengths", [[3], [6], [11], [9, 2, 17]])
 def test_fused_prefill_equals_the_modules_bit_for_bit(lengths, tmp_path):
-    """Prefill steps (the driver carries only the sampled rows past the last layer's attention): the logits
-    and every cache slot equal the modules', also when the step is short enough for the GEMV path (3 tokens)."""
+    """Prefill steps (the driver carries only the sampled rows past the last layer's attention, and keeps the
+    MLP's activations in panels): the logits and every cache slot equal the modules', also when the step is
+    short enough for the GEMV path (3 tokens), with panels of 8 rows (6) or 16 (11, 28), every linear biased."""
     from batching import allocate_kv, make_batch
     from tiny import save_tiny
     from zoo.build import build_model
     from zoo.kernels.fused import FusedDecoder
 
-    model, *_ = build_model(save_tiny("Qwen2ForCausalLM", tmp_path, initializer_range=0.2))
+    model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp_path, initializer_range=0.2, attention_bias=True,
+                                      mlp_bias=True))
+    with torch.no_grad():  # transformers starts biases at zero: give them values that a misplaced add would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
     kernels.pack_weights(model)
     kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)
     mine = {k: v.clone() for k, v in kv.items()}

@@ -392,23 +392,29 @@ static inline void transpose8(const float* src, long lds, float* dst, long ld) {
 // rows n0 .. n1 - 1 of w against the panels [p0, p1) of xt [P, K, 8 NV]: y[m, n] (+ b[n]). Each block of R
 // rows of w is read from memory once and then from L1 for the other panels. Tiles land in `stage`
 // [panels, SUB, lanes] and go to y SUB columns at a time: y's rows are N floats apart, which for N = 3072 puts
-// them all in one L1 set, and writing a few floats of each row per tile measured 15% slower.
+// them all in one L1 set, and writing a few floats of each row per tile measured 15% slower. With yt (panels
+// [P, ldt, lanes], ldt = w's row count) the tiles land there directly: no transposes, no stage.
 template <int NV>
 static void panel_range(const float* xt, long M, long p0, long p1, const float* w, long n0, long n1, long K,
-                        const float* b, float* y, long ldy) {
+                        const float* b, float* y, long ldy, float* yt, long ldt) {
     constexpr int LANES = 8 * NV, R = 6;
     constexpr long SUB = 48;
     static thread_local std::vector<v8> stage_store;
-    float* stage = (float*)room(stage_store, (p1 - p0) * SUB * NV);
+    float* stage = yt ? nullptr : (float*)room(stage_store, (p1 - p0) * SUB * NV);
     for (long n = n0; n < n1; n += SUB) {
         const long ns = std::min(SUB, n1 - n);
         for (long j = 0; j < ns; j += R) {
             const int rows = (int)std::min<long>(R, ns - j);
             const float* wb = w + (n + j) * K;
-            for (long p = p0; p < p1; p++)  // w is read from memory on the first panel: prefetch the next block
-                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, stage + ((p - p0) * SUB + j) * LANES,
-                              p == p0 ? wb + R * K : nullptr);
+            for (long p = p0; p < p1; p++) {  // w is read from memory on the first panel: prefetch the next block
+                float* out = yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES;
+                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, out, p == p0 ? wb + R * K : nullptr);
+                if (yt && b)
+                    for (int r = 0; r < rows; r++)
+                        for (int l = 0; l < LANES; l++) out[r * LANES + l] += b[n + j + r];
+            }
         }
+        if (yt) continue;
         for (long p = p0; p < p1; p++) {
             const long lanes = std::min((long)LANES, M - p * LANES);
             const float* st = stage + (p - p0) * SUB * LANES;
@@ -445,26 +451,30 @@ static void pack_panel(const float* x, long M, long ldx, long K, long lanes, lon
         for (long k = k8; k < K; k++) dst[k * lanes + i] = src[i * ldx + k];
 }
 
-// the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
-static void linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b, float* y,
-                   long ldy, int nt, long path_m) {
-    const int threads = N * K >= 65536 ? nt : 1;
-    if (path_m <= 4) {
-        paired_ranges(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
-        return;
-    }
-    // x in panels of 16 rows (8 when M <= 8: no wasted lanes), xt [P, K, lanes]; the panels in chunks of about
-    // 384 KB, which stay in L2 while every row of w passes over them
+static inline long lanes_for(long M) { return M > 8 ? 16 : 8; }  // panels of 16 rows (8: no wasted lanes)
+
+// x [M, K] (row stride ldx) packed into panels xt [P, K, lanes] (thread-local scratch, 64-byte aligned)
+static float* pack(const float* x, long M, long ldx, long K, int nt) {
     static thread_local std::vector<float> xt;
-    const long lanes = M > 8 ? 16 : 8, P = (M + lanes - 1) / lanes;
+    const long lanes = lanes_for(M), P = (M + lanes - 1) / lanes;
     float* xtp = (float*)(((uintptr_t)room(xt, P * K * lanes + 16) + 63) & ~(uintptr_t)63);
     parallel_for(P, 1, P * K >= 16384 ? nt : 1, [&](long p) { pack_panel(x, M, ldx, K, lanes, p, xtp); });
+    return xtp;
+}
+
+// y = x w^T (+ b) for x in panels xtp [P, K, lanes] (M rows): into y's rows, or with yt into panels
+// [P, N, lanes], the layout in which the next linear takes its input (zero lanes past M stay zero + b)
+static void linear_panels(const float* xtp, long M, const float* w, long N, long K, const float* b, float* y,
+                          long ldy, float* yt, int nt) {
+    const int threads = N * K >= 65536 ? nt : 1;
+    const long lanes = lanes_for(M), P = (M + lanes - 1) / lanes;
+    // the panels in chunks of about 384 KB, which stay in L2 while every row of w passes over them
     const long chunk = std::max(1L, (384L << 10) / (K * lanes * 4));
     auto range = [&](long p0, long p1, long n0, long n1) {
         if (lanes == 16)
-            panel_range<2>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
+            panel_range<2>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy, yt, N);
         else
-            panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy);
+            panel_range<1>(xtp, M, p0, p1, w, n0, n1, K, b, y, ldy, yt, N);
     };
     if (P <= chunk) {  // one chunk (decode): w streams once, in paired ranges
         paired_ranges(N, 48, threads, [&](long n0, long n1) { range(0, P, n0, n1); });
@@ -477,6 +487,17 @@ static void linear(const float* x, long M, long ldx, const float* w, long N, lon
         const long c = i / groups, g = i % groups;
         range(c * chunk, std::min(P, (c + 1) * chunk), g * G, std::min(N, (g + 1) * G));
     });
+}
+
+// the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
+static void linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b, float* y,
+                   long ldy, int nt, long path_m) {
+    if (path_m <= 4) {
+        const int threads = N * K >= 65536 ? nt : 1;
+        paired_ranges(N, 16, threads, [&](long n0, long n1) { linear_few(x, M, ldx, w, n0, n1, K, b, y, ldy); });
+        return;
+    }
+    linear_panels(pack(x, M, ldx, K, nt), M, w, N, K, b, y, ldy, nullptr, nt);
 }
 
 extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
@@ -539,22 +560,25 @@ extern "C" long zoo_rope(const float* q, long q_st, long q_sh, long n, float* q_
 // silu(gate) * up for gate_up [T, 2I] (row stride ld) -> out [T, I]; silu(g) = g / (1 + e^-g) as torch
 
 extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
-    parallel_for(T, 4, T * I >= 65536 ? nt : 1, [&](long t) {
+    constexpr long CH = 2048;  // items: a row's I in pieces of CH (a multiple of 16), so few long rows split too
+    const long pieces = (I + CH - 1) / CH;
+    parallel_for(T * pieces, pieces > 1 ? 1 : 4, T * I >= 65536 ? nt : 1, [&](long item) {
+        const long t = item / pieces, i0 = item % pieces * CH, i1 = std::min(I, i0 + CH);
         const float* g = gu + t * ld;
         const float* u = g + I;
         float* o = out + t * I;
-        long i = 0;
-        for (; i + 16 <= I; i += 16) {
+        long i = i0;
+        for (; i + 16 <= i1; i += 16) {
             v16 gv = load(g + i);
             store(o + i, (gv / (splat(1.0f) + exp16(-gv))) * load(u + i));
         }
-        if (i < I) {  // the tail through a padded vector: every element gets the same exp16
+        if (i < i1) {  // the tail through a padded vector: every element gets the same exp16
             float gt[16] = {0}, ut[16] = {0}, ot[16];
-            memcpy(gt, g + i, (I - i) * sizeof(float));
-            memcpy(ut, u + i, (I - i) * sizeof(float));
+            memcpy(gt, g + i, (i1 - i) * sizeof(float));
+            memcpy(ut, u + i, (i1 - i) * sizeof(float));
             v16 gv = load(gt);
             store(ot, (gv / (splat(1.0f) + exp16(-gv))) * load(ut));
-            memcpy(o + i, ot, (I - i) * sizeof(float));
+            memcpy(o + i, ot, (i1 - i) * sizeof(float));
         }
     });
 }
@@ -988,6 +1012,24 @@ struct LayerWeights {
     long window;   // sliding window, 0 = none
 };
 
+// h [R, Hd] = down(silu(gate) * up) of x [R, Hd]. On the panel path gate_up's output stays in panels
+// [P, 2 I, lanes], and silu_mul over each panel's two halves gives down's input already packed, [P, I, lanes]:
+// no 8 x 8 transposes out of gate_up (its rows, 2 I floats apart, fell in one L1 set: a tenth of a prefill
+// went there) nor into down, and every value is the row path's bit for bit (the same tiles, silu elementwise).
+static void swiglu(const float* x, long R, long Hd, const LayerWeights& w, long I, float* gu, float* act, float* h,
+                   int nt, long path_m) {
+    if (path_m <= 4) {
+        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
+        zoo_silu_mul(gu, R, I, 2 * I, act, nt);
+        linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, path_m);
+        return;
+    }
+    const long lanes = lanes_for(R), P = (R + lanes - 1) / lanes;
+    linear_panels(pack(x, R, Hd, Hd, nt), R, w.gate_up, 2 * I, Hd, w.gate_up_bias, nullptr, 0, gu, nt);
+    zoo_silu_mul(gu, P, I * lanes, 2 * I * lanes, act, nt);
+    linear_panels(act, R, w.down, Hd, I, w.down_bias, h, Hd, nullptr, nt);
+}
+
 extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
                                  const LayerWeights* layers, long nl, long H, long KV, long D, long I, float eps,
                                  float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
@@ -1004,18 +1046,19 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     static thread_local std::vector<float> kept;
     std::vector<float> once;
     const long nqkv = (H + 2 * KV) * D;
-    const long need = T * (3 * Hd + nqkv + (H + KV) * D + H * D + 3 * I) + N * (2 * Hd + H * D);
+    const long Tp = (T + 15) / 16 * 16;  // the MLP's buffers hold whole panels of 16 rows
+    const long need = T * (3 * Hd + nqkv + (H + KV) * D + H * D) + Tp * 3 * I + N * (2 * Hd + H * D) + 32;
     std::vector<float>& buf = need <= (64L << 20) ? kept : once;
-    float* hidden = room(buf, need);  // [T, Hd] the residual stream
+    float* hidden = (float*)(((uintptr_t)room(buf, need) + 63) & ~(uintptr_t)63);  // [T, Hd] the residual stream
     float* x = hidden + T * Hd;       // [T, Hd] normed
     float* h = x + T * Hd;            // [T, Hd] a block's output
     float* qkv = h + T * Hd;          // [T, (H + 2 KV) D]
     float* qr = qkv + T * nqkv;       // [T, H, D] rotated q
     float* kr = qr + T * H * D;       // [T, KV, D] rotated k
     float* att = kr + T * KV * D;     // [T, H D]
-    float* gu = att + T * H * D;      // [T, 2 I]
-    float* act = gu + T * 2 * I;      // [T, I]
-    float* last = act + T * I;        // [N, Hd] the sampled rows, normed
+    float* gu = (float*)(((uintptr_t)(att + T * H * D) + 63) & ~(uintptr_t)63);  // [Tp, 2 I] (rows or panels)
+    float* act = gu + Tp * 2 * I;     // [Tp, I]
+    float* last = act + Tp * I;       // [N, Hd] the sampled rows, normed
     float* keep_att = last + N * Hd;  // [N, H D] the sampled rows' attention output (last layer)
     float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
     for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
@@ -1042,9 +1085,7 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         linear(a_in, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
         for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
         zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, 0, x, nt);
-        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, T);
-        zoo_silu_mul(gu, R, I, 2 * I, act, nt);
-        linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, T);
+        swiglu(x, R, Hd, w, I, gu, act, h, nt, T);
         for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
     }
     for (long r = 0; r < N; r++)
