@@ -562,7 +562,7 @@ extern "C" long zoo_rope(const float* q, long q_st, long q_sh, long n, float* q_
 extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
     constexpr long CH = 2048;  // items: a row's I in pieces of CH (a multiple of 16), so few long rows split too
     const long pieces = (I + CH - 1) / CH;
-    parallel_for(T * pieces, pieces > 1 ? 1 : 4, T * I >= 65536 ? nt : 1, [&](long item) {
+    parallel_for(T * pieces, pieces > 1 ? 1 : 4, T * I >= 16384 ? nt : 1, [&](long item) {
         const long t = item / pieces, i0 = item % pieces * CH, i1 = std::min(I, i0 + CH);
         const float* g = gu + t * ld;
         const float* u = g + I;
