@@ -71,6 +71,13 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
+// vector registers: AVX-512 (also for 256-bit vectors with AVX-512VL) has 32, AVX2 16
+#if defined(__AVX512VL__)
+constexpr int REGS = 32;
+#else
+constexpr int REGS = 16;
+#endif
+
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 // sum of the 16 lanes, in a fixed tree order
@@ -719,69 +726,63 @@ static void softmax_row(float* r, long L, long Lp, float softcap) {
 // path spends most of its time in them).
 constexpr long QB = 16;
 
-// st[j, :] = sum_d krows[j][d] qt[d, :] for the nj <= 16 rows krows[j] (offset at), 4 rows at a time
-static inline void block_scores(const float* qt, long D, const float* const* krows, long at, long nj, float* st) {
-    long j = 0;
-    for (; j + 4 <= nj; j += 4) {
-        const float *k0 = krows[j] + at, *k1 = krows[j + 1] + at, *k2 = krows[j + 2] + at, *k3 = krows[j + 3] + at;
-        v8 a[4][2];
-        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = splat8(0.0f);
-        for (long d = 0; d < D; d++) {
-            const v8 x0 = *(const v8*)(qt + d * QB), x1 = *(const v8*)(qt + d * QB + 8);
-            const float kd[4] = {k0[d], k1[d], k2[d], k3[d]};
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const v8 kv = splat8(kd[r]);
-                a[r][0] = fma8(kv, x0, a[r][0]);
-                a[r][1] = fma8(kv, x1, a[r][1]);
-            }
-        }
-        for (int r = 0; r < 4; r++) {
-            *(v8*)(st + (j + r) * QB) = a[r][0];
-            *(v8*)(st + (j + r) * QB + 8) = a[r][1];
+// st[j, :] = sum_d qt[d, :] krows[j][at + d] for the nj rows, RJ rows at a time (2 RJ accumulators: with RJ = 8
+// the 16 of AVX-512's 32 registers keep both FMA pipes busy; 4 rows were latency-bound); every element sums
+// over d in order, whatever the grouping
+template <int RJ>
+static inline void scores_rows(const float* qt, long D, const float* const* krows, long at, float* st) {
+    const float* kr[RJ];
+    for (int r = 0; r < RJ; r++) kr[r] = krows[r] + at;
+    v8 a[RJ][2];
+    for (int r = 0; r < RJ; r++) a[r][0] = a[r][1] = splat8(0.0f);
+    for (long d = 0; d < D; d++) {
+        const v8 x0 = *(const v8*)(qt + d * QB), x1 = *(const v8*)(qt + d * QB + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < RJ; r++) {
+            const v8 kv = splat8(kr[r][d]);
+            a[r][0] = fma8(kv, x0, a[r][0]);
+            a[r][1] = fma8(kv, x1, a[r][1]);
         }
     }
-    for (; j < nj; j++) {
-        const float* kr = krows[j] + at;
-        v8 a0 = splat8(0.0f), a1 = a0;
-        for (long d = 0; d < D; d++) {
-            const v8 kv = splat8(kr[d]);
-            a0 = fma8(kv, *(const v8*)(qt + d * QB), a0);
-            a1 = fma8(kv, *(const v8*)(qt + d * QB + 8), a1);
-        }
-        *(v8*)(st + j * QB) = a0;
-        *(v8*)(st + j * QB + 8) = a1;
+    for (int r = 0; r < RJ; r++) {
+        *(v8*)(st + r * QB) = a[r][0];
+        *(v8*)(st + r * QB + 8) = a[r][1];
     }
 }
 
-// ot[d, :] += sum_j vrows[j][d] pt[j, :] over the nj rows (offset at), 6 values of d at a time
+static inline void block_scores(const float* qt, long D, const float* const* krows, long at, long nj, float* st) {
+    constexpr int RJ = REGS >= 32 ? 8 : 4;
+    long j = 0;
+    for (; j + RJ <= nj; j += RJ) scores_rows<RJ>(qt, D, krows + j, at, st + j * QB);
+    for (; j + 4 <= nj; j += 4) scores_rows<4>(qt, D, krows + j, at, st + j * QB);
+    for (; j < nj; j++) scores_rows<1>(qt, D, krows + j, at, st + j * QB);
+}
+
+// ot[d, :] += sum_j vrows[j][d] pt[j, :] over the nj rows (offset at), for RD values of d from d0 (2 RD
+// accumulators); every element sums over j in order, whatever the grouping
+template <int RD>
+static inline void values_cols(const float* pt, long nj, const float* const* vrows, long at, long d0, float* ot) {
+    v8 a[RD][2];
+    for (int r = 0; r < RD; r++) a[r][0] = *(v8*)(ot + (d0 + r) * QB), a[r][1] = *(v8*)(ot + (d0 + r) * QB + 8);
+    for (long j = 0; j < nj; j++) {
+        const float* vr = vrows[j] + at + d0;
+        const v8 x0 = *(const v8*)(pt + j * QB), x1 = *(const v8*)(pt + j * QB + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < RD; r++) {
+            const v8 vv = splat8(vr[r]);
+            a[r][0] = fma8(vv, x0, a[r][0]);
+            a[r][1] = fma8(vv, x1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < RD; r++) *(v8*)(ot + (d0 + r) * QB) = a[r][0], *(v8*)(ot + (d0 + r) * QB + 8) = a[r][1];
+}
+
 static inline void block_values(const float* pt, long nj, const float* const* vrows, long at, long D, float* ot) {
+    constexpr int RD = REGS >= 32 ? 8 : 6;
     long d0 = 0;
-    for (; d0 + 6 <= D; d0 += 6) {
-        v8 a[6][2];
-        for (int r = 0; r < 6; r++) a[r][0] = *(v8*)(ot + (d0 + r) * QB), a[r][1] = *(v8*)(ot + (d0 + r) * QB + 8);
-        for (long j = 0; j < nj; j++) {
-            const float* vr = vrows[j] + at + d0;
-            const v8 x0 = *(const v8*)(pt + j * QB), x1 = *(const v8*)(pt + j * QB + 8);
-#pragma GCC unroll 6
-            for (int r = 0; r < 6; r++) {
-                const v8 vv = splat8(vr[r]);
-                a[r][0] = fma8(vv, x0, a[r][0]);
-                a[r][1] = fma8(vv, x1, a[r][1]);
-            }
-        }
-        for (int r = 0; r < 6; r++) *(v8*)(ot + (d0 + r) * QB) = a[r][0], *(v8*)(ot + (d0 + r) * QB + 8) = a[r][1];
-    }
-    for (; d0 < D; d0++) {
-        v8 a0 = *(v8*)(ot + d0 * QB), a1 = *(v8*)(ot + d0 * QB + 8);
-        for (long j = 0; j < nj; j++) {
-            const v8 vv = splat8(vrows[j][at + d0]);
-            a0 = fma8(vv, *(const v8*)(pt + j * QB), a0);
-            a1 = fma8(vv, *(const v8*)(pt + j * QB + 8), a1);
-        }
-        *(v8*)(ot + d0 * QB) = a0;
-        *(v8*)(ot + d0 * QB + 8) = a1;
-    }
+    for (; d0 + RD <= D; d0 += RD) values_cols<RD>(pt, nj, vrows, at, d0, ot);
+    for (; d0 + 4 <= D; d0 += 4) values_cols<4>(pt, nj, vrows, at, d0, ot);  // (a single d was latency-bound)
+    for (; d0 < D; d0++) values_cols<1>(pt, nj, vrows, at, d0, ot);
 }
 
 // out rows out[l * out_st ..] (l < n) = attention of the n tokens q[l * q_st ..] at positions pos0 + l over the
@@ -793,8 +794,12 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const flo
     float* qt = (float*)room(mem, 2 * D + 2 * QB);  // [D, QB]
     float* ot = qt + D * QB;         // [D, QB]
     float* st = ot + D * QB;         // [QB rows, QB lanes] scores, then probabilities
-    for (long d = 0; d < D; d++)
-        for (long l = 0; l < QB; l++) qt[d * QB + l] = q[std::min(l, n - 1) * q_st + d];
+    if (n == QB && D % 8 == 0)  // whole blocks through 8 x 8 transposes
+        for (long l = 0; l < QB; l += 8)
+            for (long d = 0; d < D; d += 8) transpose8(q + l * q_st + d, q_st, qt + d * QB + l, QB);
+    else
+        for (long d = 0; d < D; d++)
+            for (long l = 0; l < QB; l++) qt[d * QB + l] = q[std::min(l, n - 1) * q_st + d];
     std::fill(ot, ot + D * QB, 0.0f);
     i16 pos;
     for (int l = 0; l < QB; l++) pos[l] = (int32_t)(pos0 + std::min((long)l, n - 1));
@@ -831,8 +836,12 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const flo
     }
     const v16 inv = splat(1.0f) / sum;
     for (long d = 0; d < D; d++) store(ot + d * QB, load(ot + d * QB) * inv);
-    for (long l = 0; l < n; l++)
-        for (long d = 0; d < D; d++) out[l * out_st + d] = ot[d * QB + l];
+    if (n == QB && D % 8 == 0)
+        for (long d = 0; d < D; d += 8)
+            for (long l = 0; l < QB; l += 8) transpose8(ot + d * QB + l, QB, out + l * out_st + d, out_st);
+    else
+        for (long l = 0; l < n; l++)
+            for (long d = 0; d < D; d++) out[l * out_st + d] = ot[d * QB + l];
 }
 
 static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const float* cache, long nb,
