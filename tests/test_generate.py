@@ -132,3 +132,25 @@ def test_seeded_sampling_alone_equals_in_a_batch(case):
     alone = tokens([(PROMPTS[1], seeded)], 0)
     packed = tokens([(PROMPTS[0], other), (PROMPTS[2], seeded), (PROMPTS[1], seeded), (PROMPTS[3], other)], 2)
     assert packed == alone
+
+
+def test_min_tokens_equals_transformers_min_new_tokens(tmp_path):
+    """A stop token that greedy decoding meets early (the first output token that comes back later): min_tokens
+    holds it back, masked, as transformers' min_new_tokens does with its EOS; the outputs are equal."""
+    path = save_tiny("LlamaForCausalLM", tmp_path)
+    ref = load_reference(path)
+    llm = LLM(str(path), num_blocks=64, block_size=BS)
+    prompt = PROMPTS[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))[0].token_ids
+    first = next(i for i, t in enumerate(free) if t in free[i + 1:])
+    stop = free[first]
+    for min_tokens in (0, first + 2):
+        (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True,
+                                                       stop_token_ids=[stop], min_tokens=min_tokens))
+        with torch.no_grad():
+            g = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, min_new_tokens=min_tokens,
+                             eos_token_id=stop, do_sample=False, pad_token_id=0)
+        want = g[0, len(prompt):].tolist()
+        assert out.token_ids == want, f"min_tokens={min_tokens}"
+        assert (out.finish_reason, out.token_ids[-1]) == ("stop", stop) or len(want) == STEPS
+        assert (len(want) == first + 1) == (min_tokens == 0)  # stopped at its first chance only without min_tokens

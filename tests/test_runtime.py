@@ -158,6 +158,17 @@ def test_stop_token_and_eos_finish_requests():
     assert r2.output_token_ids == [7, 7, 7] and r2.finish_reason == "length"
 
 
+def test_min_tokens_holds_stop_tokens_back():
+    sched = Scheduler(KVCacheManager(16, BS))
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=3), eos_token_ids={7})
+    sched.add_request(r)
+    while sched.has_unfinished():
+        run_step(sched, token=7)
+    assert r.output_token_ids == [7, 7, 7, 7] and r.finish_reason == "stop"
+    with pytest.raises(ValueError, match="min_tokens=11"):
+        SamplingParams(max_tokens=10, min_tokens=11)
+
+
 def test_preemption_frees_blocks_and_requeues_at_the_front():
     sched = Scheduler(KVCacheManager(4, BS, enable_caching=False), max_num_batched_tokens=64)
     a, b = req("a", 4, max_tokens=6), req("b", 4, max_tokens=6, first=50)

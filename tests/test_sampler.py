@@ -142,9 +142,9 @@ def tok():
     return PreTrainedTokenizerFast(tokenizer_object=t)
 
 
-def stream(tok, text, stop=()):
+def stream(tok, text, stop=(), min_tokens=0):
     ids = tok.encode(text)
-    d = IncrementalDetokenizer(tok, tok.encode("prompt: "), stop=list(stop))
+    d = IncrementalDetokenizer(tok, tok.encode("prompt: "), stop=list(stop), min_tokens=min_tokens)
     deltas = []
     for i in ids:
         deltas.append(d.add_tokens([i]))
@@ -177,3 +177,19 @@ def test_held_back_text_is_released_when_it_cannot_be_a_stop(tok):
     assert deltas[:4] == ["", "", "STA", "R"]  # 'S', 'ST' held; 'STA' cannot start 'STOP': released
     deltas, d = stream(tok, "no stop ST", stop=["STOP"])
     assert "".join(deltas) == "no stop ST"  # the end of the request flushes what was held
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """vLLM's rule: no stop string ends the output before it has more than min_tokens tokens."""
+    deltas, d = stream(tok, "ab STOP cd STOP ef", stop=["STOP"], min_tokens=8)  # one token per byte here
+    assert "".join(deltas) == "ab STOP cd " and d.stop_string == "STOP"  # the first STOP ends at token 7
+    deltas, d = stream(tok, "ab STOP cd STOP ef", stop=["STOP"], min_tokens=6)
+    assert "".join(deltas) == "ab " and d.stop_string == "STOP"
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached(logits):
+    stop = int(logits[0].argmax())
+    early = make_req(outputs=(1,), min_tokens=3, stop_token_ids=[stop], temperature=0)
+    done = make_req(outputs=(1, 2, 3), min_tokens=3, stop_token_ids=[stop], temperature=0)
+    out = Sampler()(logits[:1].repeat(2, 1), [early, done]).token_ids
+    assert out[0] == int(logits[0].topk(2).indices[1]) and out[1] == stop

@@ -6,7 +6,8 @@ leading space, a multi-byte character split over tokens). New text is emitted on
 it grows and does not end with U+FFFD, the mark of an incomplete UTF-8 sequence.
 
 Stop strings: text that could still be the start of a stop string is held back; when a stop string
-appears, the text ends just before it and the stop string is not part of the output.
+appears, the text ends just before it and the stop string is not part of the output. None is looked for
+before the output has more than `min_tokens` tokens (vLLM's rule).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ CONTEXT_TOKENS = 5  # prompt tokens put in front of the first output token as de
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, stop: list[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
@@ -26,6 +27,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all stable text (cut before a stop string once one is found)
         self.emitted = 0  # characters of self.text released to the caller
         self.stop_string: str | None = None
+        self.min_tokens, self.outputs = min_tokens, 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -36,6 +38,7 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             return ""
         self.ids.extend(token_ids)
+        self.outputs += len(token_ids)
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -43,7 +46,8 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.ids)
             start = max(0, len(self.text) - self.max_stop + 1)
             self.text += new
-            self._find_stop(start)
+            if self.outputs > self.min_tokens:
+                self._find_stop(start)
         return self._release(final=self.stop_string is not None)
 
     def _find_stop(self, start: int) -> None:

@@ -96,7 +96,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens)
+                self.tokenizer, req.prompt_token_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
+                min_tokens=params.min_tokens)
         return request_id
 
     def abort_request(self, request_id: str) -> None:

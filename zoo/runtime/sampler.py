@@ -86,6 +86,12 @@ class Sampler:
         """The logits the draw is made from ([N, V] float32); greedy rows get only the penalties."""
         logits = logits.float()
         params = [r.sampling_params for r in reqs]
+        early = [i for i, (r, p) in enumerate(zip(reqs, params))
+                 if r.num_output_tokens < p.min_tokens and r.stop_token_ids]
+        if early:  # min_tokens: the stop tokens cannot be drawn yet
+            logits = logits.clone()
+            for i in early:
+                logits[i, sorted(reqs[i].stop_token_ids)] = float("-inf")
         if any(p.uses_penalties for p in params):
             logits = apply_penalties(logits, reqs)
         if all(p.greedy for p in params):

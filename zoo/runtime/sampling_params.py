@@ -26,6 +26,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to EOS
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logprobs: int | None = None  # top-n logprobs per sampled token (0 = only the sampled token's)
     skip_special_tokens: bool = True
 
@@ -38,6 +39,7 @@ class SamplingParams:
             self.top_k = 0
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),

@@ -157,7 +157,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int):
         p = req.sampling_params
-        if token in req.stop_token_ids:
+        if token in req.stop_token_ids and req.num_output_tokens > p.min_tokens:
             return RequestStatus.FINISHED_STOPPED, token
         if req.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
