@@ -515,24 +515,33 @@ extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, lon
 // ---------------------------------------------------------------------------------------------------
 // RMS norm over rows of D: out = w * (x * r) (Llama), or (x * r) * (1 + w) (Gemma), r = 1 / sqrt(mean(x^2) + eps)
 
+static inline void norm_row(const float* xr, long D, const float* w, float eps, int gemma, float* o) {
+    v16 acc = splat(0.0f);
+    long d = 0;
+    for (; d + 16 <= D; d += 16) {
+        v16 xv = load(xr + d);
+        acc = acc + xv * xv;  // the squares rounded first, as x.pow(2).mean()
+    }
+    float ss = hsum(acc);
+    for (; d < D; d++) ss += xr[d] * xr[d];
+    float r = 1.0f / std::sqrt(ss / (float)D + eps);
+    if (gemma)
+        for (d = 0; d < D; d++) o[d] = (xr[d] * r) * (1.0f + w[d]);
+    else
+        for (d = 0; d < D; d++) o[d] = w[d] * (xr[d] * r);
+}
+
 extern "C" void zoo_rms_norm(const float* x, long R, long D, long ldx, const float* w, float eps, int gemma,
                              float* out, int nt) {
-    parallel_for(R, 16, R * D >= 131072 ? nt : 1, [&](long i) {
-        const float* xr = x + i * ldx;
-        float* o = out + i * D;
-        v16 acc = splat(0.0f);
-        long d = 0;
-        for (; d + 16 <= D; d += 16) {
-            v16 xv = load(xr + d);
-            acc = acc + xv * xv;  // the squares rounded first, as x.pow(2).mean()
-        }
-        float ss = hsum(acc);
-        for (; d < D; d++) ss += xr[d] * xr[d];
-        float r = 1.0f / std::sqrt(ss / (float)D + eps);
-        if (gemma)
-            for (d = 0; d < D; d++) o[d] = (xr[d] * r) * (1.0f + w[d]);
-        else
-            for (d = 0; d < D; d++) o[d] = w[d] * (xr[d] * r);
+    parallel_for(R, 16, R * D >= 131072 ? nt : 1,
+                 [&](long i) { norm_row(x + i * ldx, D, w, eps, gemma, out + i * D); });
+}
+
+// per-head norm: out [T, n, D] = rms_norm of the n heads of each token, x's heads D apart and its tokens st apart
+static void heads_norm(const float* x, long T, long n, long st, long D, const float* w, float eps, float* out,
+                       int nt) {
+    parallel_for(T * n, 16, T * n * D >= 131072 ? nt : 1, [&](long i) {
+        norm_row(x + i / n * st + i % n * D, D, w, eps, 0, out + i * D);
     });
 }
 
@@ -1017,6 +1026,7 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 
 struct LayerWeights {
     const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *q_norm, *k_norm;  // per-head norms of q and k before the rotation (Qwen3), or nullptr
     float* cache;  // [NB, BS, 2, KV, D]
     long window;   // sliding window, 0 = none
 };
@@ -1056,7 +1066,7 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     std::vector<float> once;
     const long nqkv = (H + 2 * KV) * D;
     const long Tp = (T + 15) / 16 * 16;  // the MLP's buffers hold whole panels of 16 rows
-    const long need = T * (3 * Hd + nqkv + (H + KV) * D + H * D) + Tp * 3 * I + N * (2 * Hd + H * D) + 32;
+    const long need = T * (3 * Hd + nqkv + 2 * (H + KV) * D + H * D) + Tp * 3 * I + N * (2 * Hd + H * D) + 32;
     std::vector<float>& buf = need <= (64L << 20) ? kept : once;
     float* hidden = (float*)(((uintptr_t)room(buf, need) + 63) & ~(uintptr_t)63);  // [T, Hd] the residual stream
     float* x = hidden + T * Hd;       // [T, Hd] normed
@@ -1064,7 +1074,9 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     float* qkv = h + T * Hd;          // [T, (H + 2 KV) D]
     float* qr = qkv + T * nqkv;       // [T, H, D] rotated q
     float* kr = qr + T * H * D;       // [T, KV, D] rotated k
-    float* att = kr + T * KV * D;     // [T, H D]
+    float* qn = kr + T * KV * D;      // [T, H, D] normed q (q_norm)
+    float* kn = qn + T * H * D;       // [T, KV, D] normed k (k_norm)
+    float* att = kn + T * KV * D;     // [T, H D]
     float* gu = (float*)(((uintptr_t)(att + T * H * D) + 63) & ~(uintptr_t)63);  // [Tp, 2 I] (rows or panels)
     float* act = gu + Tp * 2 * I;     // [Tp, I]
     float* last = act + Tp * I;       // [N, Hd] the sampled rows, normed
@@ -1076,7 +1088,14 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         const LayerWeights& w = layers[l];
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
         zoo_linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt);
-        zoo_rope(qkv, nqkv, D, H, qr, qkv + H * D, nqkv, D, KV, kr, T, D, pos, cos, sin, table_len, F, nt);
+        const float *q = qkv, *k = qkv + H * D;
+        long q_st = nqkv, k_st = nqkv;
+        if (w.q_norm) {  // q and k normed head by head, then rotated
+            heads_norm(qkv, T, H, nqkv, D, w.q_norm, eps, qn, nt);
+            heads_norm(qkv + H * D, T, KV, nqkv, D, w.k_norm, eps, kn, nt);
+            q = qn, k = kn, q_st = H * D, k_st = KV * D;
+        }
+        zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, cos, sin, table_len, F, nt);
         int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
                                 nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
         if (bad) return bad;

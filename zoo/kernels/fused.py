@@ -10,8 +10,8 @@ the same order from C++ and returns the sampled rows' logits, equal bit for bit 
         logits = fused(input_ids, positions, batch)  # [N, V]
 
 Qualifies: a model assembled from the Llama plugin's classes with their own forward methods (Llama, and
-Mistral / Qwen2, which change only what the attention is built with: sliding windows, q/k/v bias), plain
-RMSNorm with one eps, SiLU gated MLPs, no q/k norms, no attention softcap, no embedding scale, a rope type
+Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
+per-head q/k norms), plain RMSNorm with one eps, SiLU gated MLPs, no attention softcap, no embedding scale, a rope type
 whose table does not depend on the context length, float32 CPU weights. A step qualifies when no forward
 hook is registered (parity taps see every module). Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
@@ -45,7 +45,8 @@ _ERRORS = {1: "query_start_loc", 2: "seq_lens or positions", 3: "slot_mapping", 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "cache")] + [
+        "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "q_norm",
+        "k_norm", "cache")] + [
         ("window", ctypes.c_long)]
 
 
@@ -94,12 +95,16 @@ class FusedDecoder:
             core = attn.attn
             if not (_own_forwards(layer, _FORWARDS["layer"]) and _own_forwards(attn, _FORWARDS["attention"])
                     and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-                    and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear and not hasattr(attn, "q_norm")
+                    and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
                     and type(core) is Attention and core.softcap is None and type(attn.rotary_emb) is RotaryEmbedding
                     and attn.rotary_emb.rope_type != "dynamic" and type(mlp) is GatedMLP and mlp.silu
                     and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear):
                 return None
             eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+            if not all(type(n) is RMSNorm and n.weight.shape == (core.head_dim,) for n in qk):
+                return None
+            eps |= {n.eps for n in qk}
             rope.add(attn.rotary_emb)
             shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size))
             cache = kv_caches[attn.prefix]
@@ -109,9 +114,11 @@ class FusedDecoder:
                     mlp.gate_up_proj, mlp.down_proj)
             w = [m.weight for m in mods]
             b = [getattr(m, "bias", None) for m in mods]
-            params += w + [x for x in b if x is not None]
+            norms = [n.weight for n in qk] or [None, None]
+            params += w + [x for x in b + norms if x is not None]
             layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
-                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), cache.data_ptr(), core.sliding_window or 0))
+                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), _ptr(norms[0]), _ptr(norms[1]),
+                                 cache.data_ptr(), core.sliding_window or 0))
         if len(eps) != 1 or len(rope) != 1 or len(shape) != 1 or not layers:
             return None
         if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
