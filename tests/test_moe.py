@@ -13,8 +13,10 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from batching import allocate_kv, assert_close, random_prompts, reference_chunks, run_schedule, run_step
+from kernel_paths import ops  # noqa: F401
 from loader import LoadError
 from tiny import built_case, load_reference, save_tiny
+from zoo import kernels
 from zoo.build import build_model
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import SparseMoeBlock, StackedExperts
@@ -95,24 +97,30 @@ def test_shared_expert_block_matches_transformers():
 
 
 @torch.inference_mode()
-def test_dispatch_runs_each_expert_once_on_its_tokens():
-    """Each expert's weight is called once, on exactly the tokens routed to it, in token order."""
+def test_dispatch_runs_each_expert_once_on_its_tokens(ops, monkeypatch):
+    """Each expert's weight is called once, on exactly the tokens routed to it, in token order (through
+    F.linear or the native GEMM)."""
     experts = StackedExperts(E, H, 16)
     for p in experts.parameters():
         torch.nn.init.normal_(p.data, std=0.2)
     x = torch.randn(5, H)
     ids = torch.tensor([[2, 0], [0, 2], [3, 0], [2, 3], [0, 2]])  # expert 1 gets no token
     weights = torch.rand(5, 2)
-    seen = []  # (expert, rows it ran on), recorded from every F.linear call on an expert's weight
+    seen = []  # (expert, rows it ran on), recorded from every linear call on an expert's weight
+
+    def record(rows, w):
+        for e in range(E):
+            if w.data_ptr() == experts.gate_up_proj.weight[e].data_ptr():
+                seen.append((e, rows.clone()))
 
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is torch.nn.functional.linear:
-                for e in range(E):
-                    if args[1].data_ptr() == experts.gate_up_proj.weight[e].data_ptr():
-                        seen.append((e, args[0].clone()))
+                record(args[0], args[1])
             return func(*args, **(kwargs or {}))
 
+    native = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda rows, w, b=None: (record(rows, w), native(rows, w, b))[1])
     with Spy():
         out = experts(x, ids, weights)
     assert [e for e, _ in seen] == [0, 2, 3]
