@@ -79,11 +79,19 @@ def test_rms_norm_matches_torch(gemma):
 
 
 @pytest.mark.parametrize("i", [1536, 37])
-def test_silu_mul_matches_torch(i):
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_activations_match_torch(i, act):
     gu = torch.randn(40, 2 * i) * 4
-    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps
-    got = twice(lambda: kernels.silu_mul(gu))
-    torch.testing.assert_close(got, F.silu(gu[:, :i]) * gu[:, i:], rtol=2e-6, atol=1e-6)
+    gu[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -1e-4, 3e-5])  # exp's clamps, tanh near 0
+    fused, ref = {"silu": (kernels.silu_mul, F.silu),
+                  "gelu_tanh": (kernels.gelu_tanh_mul, lambda g: F.gelu(g, approximate="tanh"))}[act]
+    got = twice(lambda: fused(gu))
+    # torch's gelu_tanh rounds tanh(y) to float32 before adding 1: near tanh = -1 that loses up to 3e-8 of
+    # 1 + tanh, ~1e-6 after the products here; the kernel computes 1 + tanh without the cancellation
+    atol = 1e-6 if act == "silu" else 4e-6
+    torch.testing.assert_close(got, ref(gu[:, :i]) * gu[:, i:], rtol=2e-6, atol=atol)
+    exact = (F.gelu(gu[:, :i].double(), approximate="tanh") if act == "gelu_tanh" else F.silu(gu[:, :i].double()))
+    torch.testing.assert_close(got.double(), exact * gu[:, i:].double(), rtol=2e-6, atol=1e-6)  # float64 truth
 
 
 def test_argmax_matches_torch_on_ties_nan_and_infinities():
@@ -245,7 +253,8 @@ FUSED_ARCHS = {  # arch -> (config overrides, whether the driver takes it)
     "MistralForCausalLM": (dict(sliding_window=5), True),
     "Qwen2ForCausalLM": (dict(), True),  # q/k/v bias
     "Qwen3ForCausalLM": (dict(head_dim=16), True),  # q/k norms
-    "Gemma3ForCausalLM": (dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5), False),
+    "Gemma3ForCausalLM": (dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+                               layer_types=["sliding_attention", "full_attention"]), True),
 }
 
 

@@ -53,9 +53,10 @@ _SIGNATURES = {
     "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
     "zoo_rope": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _I],
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
+    "zoo_gelu_tanh_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_argmax": [_P, _L, _L, _L, _P, _I],
     "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
-                          _P, _P, _L, _P, _P, _L, _P, _P, _I],
+                          _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
 }
@@ -265,10 +266,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = cat(gate, up) [T, 2I] -> [T, I]."""
+    return _act_mul(_lib.zoo_silu_mul, gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up = cat(gate, up) [T, 2I] -> [T, I] (Gemma's MLP)."""
+    return _act_mul(_lib.zoo_gelu_tanh_mul, gate_up)
+
+
+def _act_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
     g = _rows(gate_up)
     rows, i = g.shape[0], g.shape[1] // 2
     out = torch.empty(rows, i)
-    _lib.zoo_silu_mul(g.data_ptr(), rows, i, g.stride(0), out.data_ptr(), torch.get_num_threads())
+    fn(g.data_ptr(), rows, i, g.stride(0), out.data_ptr(), torch.get_num_threads())
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], i)
 
 

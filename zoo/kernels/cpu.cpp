@@ -538,10 +538,10 @@ extern "C" void zoo_rms_norm(const float* x, long R, long D, long ldx, const flo
 }
 
 // per-head norm: out [T, n, D] = rms_norm of the n heads of each token, x's heads D apart and its tokens st apart
-static void heads_norm(const float* x, long T, long n, long st, long D, const float* w, float eps, float* out,
-                       int nt) {
+static void heads_norm(const float* x, long T, long n, long st, long D, const float* w, float eps, int gemma,
+                       float* out, int nt) {
     parallel_for(T * n, 16, T * n * D >= 131072 ? nt : 1, [&](long i) {
-        norm_row(x + i / n * st + i % n * D, D, w, eps, 0, out + i * D);
+        norm_row(x + i / n * st + i % n * D, D, w, eps, gemma, out + i * D);
     });
 }
 
@@ -573,9 +573,22 @@ extern "C" long zoo_rope(const float* q, long q_st, long q_sh, long n, float* q_
 }
 
 // ---------------------------------------------------------------------------------------------------
-// silu(gate) * up for gate_up [T, 2I] (row stride ld) -> out [T, I]; silu(g) = g / (1 + e^-g) as torch
+// act(gate) * up for gate_up [T, 2I] (row stride ld) -> out [T, I]: silu(g) = g / (1 + e^-g) as torch, or
+// Gemma's gelu_tanh(g) = g / 2 (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), with 1 + tanh(y) =
+// 2 / (e^2|y| + 1) for y < 0 and 2 - that for y >= 0 (no cancellation where tanh(y) is near -1)
+enum Act { SILU = 0, GELU_TANH = 1 };
 
-extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
+template <int ACT>
+static inline v16 act16(v16 g) {
+    if (ACT == SILU) return g / (splat(1.0f) + exp16(-g));
+    const v16 y = splat(0.7978845608028654f) * (g + splat(0.044715f) * (g * g * g));
+    const v16 ay = y < splat(0.0f) ? -y : y;
+    const v16 low = splat(2.0f) / (exp16(ay + ay) + splat(1.0f));  // 1 + tanh(-|y|)
+    return splat(0.5f) * g * (y < splat(0.0f) ? low : splat(2.0f) - low);
+}
+
+template <int ACT>
+static void act_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
     constexpr long CH = 2048;  // items: a row's I in pieces of CH (a multiple of 16), so few long rows split too
     const long pieces = (I + CH - 1) / CH;
     parallel_for(T * pieces, pieces > 1 ? 1 : 4, T * I >= 16384 ? nt : 1, [&](long item) {
@@ -584,19 +597,30 @@ extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* ou
         const float* u = g + I;
         float* o = out + t * I;
         long i = i0;
-        for (; i + 16 <= i1; i += 16) {
-            v16 gv = load(g + i);
-            store(o + i, (gv / (splat(1.0f) + exp16(-gv))) * load(u + i));
-        }
-        if (i < i1) {  // the tail through a padded vector: every element gets the same exp16
+        for (; i + 16 <= i1; i += 16) store(o + i, act16<ACT>(load(g + i)) * load(u + i));
+        if (i < i1) {  // the tail through a padded vector: every element gets the same arithmetic
             float gt[16] = {0}, ut[16] = {0}, ot[16];
             memcpy(gt, g + i, (i1 - i) * sizeof(float));
             memcpy(ut, u + i, (i1 - i) * sizeof(float));
-            v16 gv = load(gt);
-            store(ot, (gv / (splat(1.0f) + exp16(-gv))) * load(ut));
+            store(ot, act16<ACT>(load(gt)) * load(ut));
             memcpy(o + i, ot, (i1 - i) * sizeof(float));
         }
     });
+}
+
+extern "C" void zoo_silu_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
+    act_mul<SILU>(gu, T, I, ld, out, nt);
+}
+
+extern "C" void zoo_gelu_tanh_mul(const float* gu, long T, long I, long ld, float* out, int nt) {
+    act_mul<GELU_TANH>(gu, T, I, ld, out, nt);
+}
+
+static void act_mul(int act, const float* gu, long T, long I, long ld, float* out, int nt) {
+    if (act == GELU_TANH)
+        act_mul<GELU_TANH>(gu, T, I, ld, out, nt);
+    else
+        act_mul<SILU>(gu, T, I, ld, out, nt);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1026,27 +1050,39 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 
 struct LayerWeights {
     const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
-    const float *q_norm, *k_norm;  // per-head norms of q and k before the rotation (Qwen3), or nullptr
+    const float *q_norm, *k_norm;  // per-head norms of q and k before the rotation (Qwen3, Gemma3), or nullptr
+    const float *post_attn, *post_ff;  // norms of the attention's and the MLP's outputs (Gemma3), or nullptr
+    const float *cos, *sin;  // this layer's rotary table [table_len, F] (Gemma3's two bases), or nullptr: the step's
     float* cache;  // [NB, BS, 2, KV, D]
     long window;   // sliding window, 0 = none
 };
 
-// h [R, Hd] = down(silu(gate) * up) of x [R, Hd]. On the panel path gate_up's output stays in panels
-// [P, 2 I, lanes], and silu_mul over each panel's two halves gives down's input already packed, [P, I, lanes]:
+// h [R, Hd] = down(act(gate) * up) of x [R, Hd]. On the panel path gate_up's output stays in panels
+// [P, 2 I, lanes], and act_mul over each panel's two halves gives down's input already packed, [P, I, lanes]:
 // no 8 x 8 transposes out of gate_up (its rows, 2 I floats apart, fell in one L1 set: a tenth of a prefill
-// went there) nor into down, and every value is the row path's bit for bit (the same tiles, silu elementwise).
-static void swiglu(const float* x, long R, long Hd, const LayerWeights& w, long I, float* gu, float* act, float* h,
-                   int nt, long path_m) {
+// went there) nor into down, and every value is the row path's bit for bit (the same tiles, act elementwise).
+static void gated_mlp(const float* x, long R, long Hd, const LayerWeights& w, long I, int act, float* gu,
+                      float* a, float* h, int nt, long path_m) {
     if (path_m <= 4) {
         linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
-        zoo_silu_mul(gu, R, I, 2 * I, act, nt);
-        linear(act, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, path_m);
+        act_mul(act, gu, R, I, 2 * I, a, nt);
+        linear(a, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, path_m);
         return;
     }
     const long lanes = lanes_for(R), P = (R + lanes - 1) / lanes;
     linear_panels(pack(x, R, Hd, Hd, nt), R, w.gate_up, 2 * I, Hd, w.gate_up_bias, nullptr, 0, gu, nt);
-    zoo_silu_mul(gu, P, I * lanes, 2 * I * lanes, act, nt);
-    linear_panels(act, R, w.down, Hd, I, w.down_bias, h, Hd, nullptr, nt);
+    act_mul(act, gu, P, I * lanes, 2 * I * lanes, a, nt);
+    linear_panels(a, R, w.down, Hd, I, w.down_bias, h, Hd, nullptr, nt);
+}
+
+// the residual add res += h, or with a norm weight (Gemma3's sandwich) res += norm(h), normed into `scratch`
+static void add_normed(float* res, const float* h, float* scratch, long R, long Hd, const float* norm, float eps,
+                       int gemma, int nt) {
+    if (norm) {
+        zoo_rms_norm(h, R, Hd, Hd, norm, eps, gemma, scratch, nt);
+        h = scratch;
+    }
+    for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
 }
 
 extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
@@ -1055,7 +1091,7 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
                                  long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
                                  long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
                                  const float* final_norm, const int64_t* rows, long N, const float* head,
-                                 float* logits, int nt) {
+                                 float* logits, int gemma, float embed_scale, int act, int nt) {
     for (long t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
@@ -1078,24 +1114,29 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     float* kn = qn + T * H * D;       // [T, KV, D] normed k (k_norm)
     float* att = kn + T * KV * D;     // [T, H D]
     float* gu = (float*)(((uintptr_t)(att + T * H * D) + 63) & ~(uintptr_t)63);  // [Tp, 2 I] (rows or panels)
-    float* act = gu + Tp * 2 * I;     // [Tp, I]
-    float* last = act + Tp * I;       // [N, Hd] the sampled rows, normed
+    float* a = gu + Tp * 2 * I;       // [Tp, I] act(gate) * up
+    float* last = a + Tp * I;         // [N, Hd] the sampled rows, normed
     float* keep_att = last + N * Hd;  // [N, H D] the sampled rows' attention output (last layer)
     float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
-    for (long t = 0; t < T; t++) memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
+    for (long t = 0; t < T; t++) {
+        memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
+        if (embed_scale != 0.0f)  // Gemma: rows times sqrt(Hd)
+            for (long d = 0; d < Hd; d++) hidden[t * Hd + d] = hidden[t * Hd + d] * embed_scale;
+    }
     bool pruned = false;  // past the last layer's attention, only the sampled rows (in keep_*)
     for (long l = 0; l < nl; l++) {
         const LayerWeights& w = layers[l];
-        zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, 0, x, nt);
+        zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, gemma, x, nt);
         zoo_linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt);
         const float *q = qkv, *k = qkv + H * D;
         long q_st = nqkv, k_st = nqkv;
         if (w.q_norm) {  // q and k normed head by head, then rotated
-            heads_norm(qkv, T, H, nqkv, D, w.q_norm, eps, qn, nt);
-            heads_norm(qkv + H * D, T, KV, nqkv, D, w.k_norm, eps, kn, nt);
+            heads_norm(qkv, T, H, nqkv, D, w.q_norm, eps, gemma, qn, nt);
+            heads_norm(qkv + H * D, T, KV, nqkv, D, w.k_norm, eps, gemma, kn, nt);
             q = qn, k = kn, q_st = H * D, k_st = KV * D;
         }
-        zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, cos, sin, table_len, F, nt);
+        zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, w.cos ? w.cos : cos, w.sin ? w.sin : sin,
+                 table_len, F, nt);
         int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
                                 nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
         if (bad) return bad;
@@ -1111,14 +1152,14 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
             a_in = keep_att, res = keep_hid, R = N, pruned = true;
         }
         linear(a_in, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
-        for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
-        zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, 0, x, nt);
-        swiglu(x, R, Hd, w, I, gu, act, h, nt, T);
-        for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
+        add_normed(res, h, x, R, Hd, w.post_attn, eps, gemma, nt);
+        zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, gemma, x, nt);
+        gated_mlp(x, R, Hd, w, I, act, gu, a, h, nt, T);
+        add_normed(res, h, x, R, Hd, w.post_ff, eps, gemma, nt);
     }
     for (long r = 0; r < N; r++)
         memcpy(x + r * Hd, pruned ? keep_hid + r * Hd : hidden + rows[r] * Hd, Hd * sizeof(float));
-    zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, 0, last, nt);
+    zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, gemma, last, nt);
     zoo_linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt);
     return 0;
 }

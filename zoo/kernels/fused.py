@@ -11,9 +11,11 @@ the same order from C++ and returns the sampled rows' logits, equal bit for bit 
 
 Qualifies: a model assembled from the Llama plugin's classes with their own forward methods (Llama, and
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
-per-head q/k norms), plain RMSNorm with one eps, SiLU gated MLPs, no attention softcap, no embedding scale, a rope type
-whose table does not depend on the context length, float32 CPU weights. A step qualifies when no forward
-hook is registered (parity taps see every module). Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
+per-head q/k norms) or Gemma3's decoder layer (norms around both blocks' outputs, (1 + w) norms, a scaled
+embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps throughout, SiLU or GELU-tanh
+gated MLPs, no softcaps, rope types whose table does not depend on the context length, float32 CPU weights.
+A step qualifies when no forward hook is registered (parity taps see every module).
+Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import Linear, MergedLinear, QKVLinear
 from zoo.layers.mlp import GatedMLP
-from zoo.layers.norm import RMSNorm
+from zoo.layers.norm import GemmaRMSNorm, RMSNorm
 from zoo.layers.rotary import RotaryEmbedding
 
 # qualified names of the methods the C++ driver reproduces, all defined in _PLUGIN (checked by name: zoo does
@@ -35,10 +37,13 @@ from zoo.layers.rotary import RotaryEmbedding
 _FORWARDS = {
     "model": ("LlamaForCausalLM.forward", "LlamaForCausalLM.compute_logits"),
     "model.model": ("LlamaModel.forward", "LlamaModel.embed"),
-    "layer": ("LlamaDecoderLayer.forward",),
     "attention": ("LlamaAttention.forward",),
 }
 _PLUGIN = "plugins.llama"
+# the decoder layers' forward methods it knows: (qualified name, module) -> kind
+_LAYERS = {("LlamaDecoderLayer.forward", "plugins.llama"): "llama",
+           ("Gemma3DecoderLayer.forward", "plugins.gemma3"): "gemma3"}  # norms around both blocks' outputs
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # GatedMLP.kind -> the C++ Act
 _ERRORS = {1: "query_start_loc", 2: "seq_lens or positions", 3: "slot_mapping", 4: "block_tables",
            5: "input_ids (outside the vocabulary)"}
 
@@ -46,7 +51,7 @@ _ERRORS = {1: "query_start_loc", 2: "seq_lens or positions", 3: "slot_mapping", 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "q_norm",
-        "k_norm", "cache")] + [
+        "k_norm", "post_attn", "post_ff", "cos", "sin", "cache")] + [
         ("window", ctypes.c_long)]
 
 
@@ -60,6 +65,10 @@ def _own_forwards(obj, names) -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _weight(norm) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
 
 
 class FusedDecoder:
@@ -86,47 +95,56 @@ class FusedDecoder:
         if not (_own_forwards(model, _FORWARDS["model"]) and _own_forwards(inner, _FORWARDS["model.model"])):
             return None
         embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
-        if not (type(embed) is VocabEmbedding and embed.scale is None and type(head) is LMHead
-                and head.softcap is None and type(final) is RMSNorm):
+        if not (type(embed) is VocabEmbedding and type(head) is LMHead and head.softcap is None):
             return None
-        layers, params, eps, rope, shape = [], [embed.weight, head.weight, final.weight], {final.eps}, set(), set()
+        layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             core = attn.attn
-            if not (_own_forwards(layer, _FORWARDS["layer"]) and _own_forwards(attn, _FORWARDS["attention"])
-                    and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            fn = getattr(type(layer), "forward", None)
+            kind = _LAYERS.get((getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)))
+            if not (kind and _own_forwards(attn, _FORWARDS["attention"])
                     and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
                     and type(core) is Attention and core.softcap is None and type(attn.rotary_emb) is RotaryEmbedding
-                    and attn.rotary_emb.rope_type != "dynamic" and type(mlp) is GatedMLP and mlp.silu
+                    and attn.rotary_emb.rope_type != "dynamic" and type(mlp) is GatedMLP and mlp.kind in _ACTS
                     and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear):
                 return None
-            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
-            qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
-            if not all(type(n) is RMSNorm and n.weight.shape == (core.head_dim,) for n in qk):
+            if kind == "gemma3":  # the attention's and the MLP's outputs are normed before the residual adds
+                ln1, post_attn, ln2, post_ff = (layer.input_layernorm, layer.post_attention_layernorm,
+                                                layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+            else:
+                ln1, post_attn, ln2, post_ff = layer.input_layernorm, None, layer.post_attention_layernorm, None
+            qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (None, None)
+            if any(n is not None and n.weight.shape != (core.head_dim,) for n in qk):
                 return None
-            eps |= {n.eps for n in qk}
-            rope.add(attn.rotary_emb)
-            shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size))
+            extra = [n for n in (*qk, post_attn, post_ff) if n is not None]
+            norms += [ln1, ln2, *extra]
+            ropes.append(attn.rotary_emb)
+            shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size,
+                       mlp.kind))
             cache = kv_caches[attn.prefix]
             if cache.dtype is not torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
                 return None
-            mods = (layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
-                    mlp.gate_up_proj, mlp.down_proj)
+            mods = (ln1, attn.qkv_proj, attn.o_proj, ln2, mlp.gate_up_proj, mlp.down_proj)
             w = [m.weight for m in mods]
             b = [getattr(m, "bias", None) for m in mods]
-            norms = [n.weight for n in qk] or [None, None]
-            params += w + [x for x in b + norms if x is not None]
+            params += w + [x for x in b if x is not None] + [n.weight for n in extra]
             layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
-                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), _ptr(norms[0]), _ptr(norms[1]),
-                                 cache.data_ptr(), core.sliding_window or 0))
-        if len(eps) != 1 or len(rope) != 1 or len(shape) != 1 or not layers:
+                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), *(_weight(n) for n in (*qk, post_attn, post_ff)),
+                                 None, None, cache.data_ptr(), core.sliding_window or 0))
+        kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
+        if len(eps) != 1 or len(shape) != 1 or not layers or kinds not in ({RMSNorm}, {GemmaRMSNorm}):
             return None
         if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
             return None
-        (heads, kv_heads, head_dim, scale, inter), = shape
-        meta = dict(eps=eps.pop(), rope=rope.pop(), heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=scale,
-                    intermediate=inter, hidden=embed.hidden_size, vocab=embed.vocab_size,
-                    embed=embed.weight, head=head.weight, final=final.weight)
+        distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
+        if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
+            return None
+        (heads, kv_heads, head_dim, scale, inter, act), = shape
+        meta = dict(eps=eps.pop(), ropes=distinct, layer_rope=[distinct.index(r) for r in ropes], heads=heads,
+                    kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,
+                    vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=final.weight,
+                    gemma=int(kinds == {GemmaRMSNorm}), embed_scale=float(embed.scale or 0.0), act=_ACTS[act])
         return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta)
 
     def usable(self, input_ids: torch.Tensor, batch) -> bool:
@@ -145,7 +163,12 @@ class FusedDecoder:
         m = self.meta
         t = input_ids.shape[0]
         num_positions = max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1
-        cos, sin = m["rope"].table(positions.device, torch.float32, num_positions)  # [L, F]
+        tables = [r.table(positions.device, torch.float32, num_positions) for r in m["ropes"]]  # [L, F] each
+        if len(tables) > 1:  # each layer's own table (they may be grown between steps)
+            for layer, i in zip(self.layers, m["layer_rope"]):
+                layer.cos, layer.sin = tables[i][0].data_ptr(), tables[i][1].data_ptr()
+        cos, sin = tables[0]
+        table_len = min(c.shape[0] for c, _ in tables)
         ids = kernels._int(input_ids, torch.int64)
         pos = kernels._int(positions, torch.int64)
         rows = kernels._int(batch.logits_indices, torch.int64)
@@ -157,10 +180,10 @@ class FusedDecoder:
         bad = kernels._lib.zoo_llama_forward(
             ids.data_ptr(), t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
             len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
-            pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], nb, bs,
+            pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs,
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
             seq_lens.data_ptr(), seq_lens.shape[0], m["final"].data_ptr(), rows.data_ptr(), rows.shape[0],
-            m["head"].data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], torch.get_num_threads())
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
                              f"tokens and the KV cache")

@@ -39,13 +39,15 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.act = activation(hidden_act)
-        self.silu = self.act is F.silu  # the fused kernel computes silu only
+        # the activations with a fused act(gate) * up kernel, also run by the fused decoder step
+        self.kind = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(hidden_act)
         self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.silu and kernels.fast(gate_up):
-            return self.down_proj(kernels.silu_mul(gate_up))  # [T, 2I] -> [T, I] -> [T, H]
+        if self.kind and kernels.fast(gate_up):
+            fused = kernels.silu_mul if self.kind == "silu" else kernels.gelu_tanh_mul
+            return self.down_proj(fused(gate_up))  # [T, 2I] -> [T, I] -> [T, H]
         gate, up = self.gate_up_proj.split(gate_up)  # [T, 2I] -> [T, I], [T, I]
         return self.down_proj(self.act(gate) * up)  # [T, I] -> [T, H]
