@@ -248,6 +248,17 @@ def test_switched_off_layers_compute_with_torch():
 
 # -- the fused decoder (one native call per step) ------------------------------------------------------
 
+def vary(model, chosen, *, std: float, add: bool) -> None:
+    """Give the chosen parameters values that a misplaced, swapped or skipped weight shows in the logits
+    (transformers starts biases at zero and norms at one): noise of `std`, added or in their place, seeded by
+    the parameter's name (so q and k of a layer differ)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if chosen(name):
+                noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(sum(name.encode()))) * std
+                p.copy_(p + noise if add else noise)
+
+
 FUSED_ARCHS = {  # arch -> (config overrides, whether the driver takes it)
     "LlamaForCausalLM": (dict(tie_word_embeddings=True), True),
     "MistralForCausalLM": (dict(sliding_window=5), True),
@@ -269,10 +280,7 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
 
     overrides, qualifies = FUSED_ARCHS[arch]
     model, *_ = build_model(save_tiny(arch, tmp_path, initializer_range=0.2, **overrides))
-    with torch.no_grad():  # norms start at ones (zeros for Gemma): values that a swapped or skipped weight shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(sum(name.encode()))) * 0.3)
+    vary(model, lambda name: "norm" in name, std=0.3, add=True)  # norms start at ones (zeros for Gemma)
     kernels.pack_weights(model)
     kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)
     assert (FusedDecoder.build(model, kv) is not None) == qualifies
@@ -306,10 +314,7 @@ def test_fused_prefill_equals_the_modules_bit_for_bit(lengths, tmp_path):
 
     model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp_path, initializer_range=0.2, attention_bias=True,
                                       mlp_bias=True))
-    with torch.no_grad():  # transformers starts biases at zero: give them values that a misplaced add would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    vary(model, lambda name: name.endswith("bias"), std=1.0, add=False)  # transformers starts biases at zero
     kernels.pack_weights(model)
     kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)
     mine = {k: v.clone() for k, v in kv.items()}

@@ -20,6 +20,13 @@ from torch import nn
 from zoo import kernels
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), on the native GEMV / GEMM when it applies (float32 CPU, no autograd)."""
+    if kernels.fast(x, weight):
+        return kernels.linear(x, weight, bias)  # [T, I] -> [T, O]
+    return F.linear(x, weight, bias)  # [T, I] -> [T, O]
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), weight [O, I] as in the checkpoint."""
 
@@ -30,9 +37,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None  # [O]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.fast(x, self.weight):
-            return kernels.linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
-        return F.linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
+        return linear(x, self.weight, self.bias)  # [T, I] -> [T, O]
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

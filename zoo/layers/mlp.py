@@ -3,7 +3,8 @@
 Shape legend:
     T = tokens    H = hidden size    I = intermediate size
 
-Fast path (float32, CPU, no autograd, silu): `zoo.kernels.silu_mul` computes silu(gate) * up in one pass.
+Fast path (float32, CPU, no autograd, silu or gelu_pytorch_tanh): `act_and_mul` computes act(gate) * up in one
+pass (`zoo.kernels.silu_mul`, `gelu_tanh_mul`), for the dense MLP and the MoE experts alike.
 """
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ ACTIVATIONS = {
 }
 
 
+FUSED_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # hidden_act -> its kernel
+
+
+def act_and_mul(gate_up: torch.Tensor, act, kind: str | None) -> torch.Tensor:
+    """act(gate) * up for gate_up = cat(gate, up) [T, 2I] -> [T, I], on the fused kernel of `kind`
+    (FUSED_ACTS; the fused decoder step runs the same one) when it applies."""
+    if kind and kernels.fast(gate_up):
+        return (kernels.silu_mul if kind == "silu" else kernels.gelu_tanh_mul)(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I], [T, I]
+    return act(gate) * up
+
+
 def activation(name: str, *, field: str = "hidden_act"):
     """The activation transformers' ACT2FN[name] computes; an error names the config field otherwise."""
     if name not in ACTIVATIONS:
@@ -39,15 +52,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.act = activation(hidden_act)
-        # the activations with a fused act(gate) * up kernel, also run by the fused decoder step
-        self.kind = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(hidden_act)
+        self.kind = FUSED_ACTS.get(hidden_act)
         self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.kind and kernels.fast(gate_up):
-            fused = kernels.silu_mul if self.kind == "silu" else kernels.gelu_tanh_mul
-            return self.down_proj(fused(gate_up))  # [T, 2I] -> [T, I] -> [T, H]
-        gate, up = self.gate_up_proj.split(gate_up)  # [T, 2I] -> [T, I], [T, I]
-        return self.down_proj(self.act(gate) * up)  # [T, I] -> [T, H]
+        return self.down_proj(act_and_mul(gate_up, self.act, self.kind))  # [T, 2I] -> [T, I] -> [T, H]

@@ -29,14 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import kernels
-from zoo.layers.linear import Linear
-from zoo.layers.mlp import activation
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[n, in] x [out, in] -> [n, out]: the native GEMV / GEMM when it applies (float32 CPU, no autograd)."""
-    return kernels.linear(x, w) if kernels.fast(x, w) else F.linear(x, w)
+from zoo.layers.linear import Linear, linear
+from zoo.layers.mlp import FUSED_ACTS, act_and_mul, activation
 
 
 class TopKRouter(nn.Module):
@@ -91,7 +85,7 @@ class StackedExperts(nn.Module):
         self.prefix = prefix
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.act = activation(hidden_act, field=f"{prefix}: hidden_act")
-        self.silu = self.act is F.silu  # the fused kernel computes silu only
+        self.kind = FUSED_ACTS.get(hidden_act)
         self.gate_up_proj = StackedWeight(num_experts, 2 * intermediate_size, hidden_size)  # [E, 2I, H]
         self.gate_up_proj.weight.shard_sizes = (intermediate_size, intermediate_size)  # gate rows, then up rows
         self.down_proj = StackedWeight(num_experts, hidden_size, intermediate_size)  # [E, H, I]
@@ -109,13 +103,8 @@ class StackedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = _linear(x_sorted[start:start + n], w13[e])  # [n, 2I]
-            if self.silu and kernels.fast(gate_up):
-                act = kernels.silu_mul(gate_up)  # [n, I]
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
-                act = self.act(gate) * up
-            y_sorted[start:start + n] = _linear(act, w2[e])  # [n, H]
+            gate_up = linear(x_sorted[start:start + n], w13[e])  # [n, 2I]
+            y_sorted[start:start + n] = linear(act_and_mul(gate_up, self.act, self.kind), w2[e])  # [n, H]
             start += n
         weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
         return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; on CPU summed in expert-id order, as transformers
