@@ -97,9 +97,84 @@ def test_nested_rope_parameters_by_layer_type():
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
-        RotaryEmbedding(head_dim=8, rope_parameters=dict(rope_type="longrope", rope_theta=1.0),
+    with pytest.raises(ValueError, match="rope_type 'wavelet' is not supported; supported: default, linear"):
+        RotaryEmbedding(head_dim=8, rope_parameters=dict(rope_type="wavelet", rope_theta=1.0),
                         max_position_embeddings=8)
+    with pytest.raises(ValueError, match="rotary layout 'spiral' is not supported"):
+        RotaryEmbedding(head_dim=8, rope_parameters=dict(rope_theta=1.0), max_position_embeddings=8, layout="spiral")
+
+
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+
+
+@pytest.mark.parametrize("seq_len", [None, 64, 65, 500])
+def test_longrope_inv_freq_matches_transformers(seq_len):
+    """Phi-3's longrope: short factors up to the trained length, long ones past it, the sqrt attention factor."""
+    config = transformers.Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=256,
+                                     original_max_position_embeddings=64, rope_parameters=dict(LONGROPE),
+                                     partial_rotary_factor=0.5)
+    params = rope_parameters(config)
+    assert params["partial_rotary_factor"] == 0.5
+    ours, scale = compute_inv_freq(params, head_dim=32, max_position_embeddings=256, seq_len=seq_len)
+    want, want_scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+    assert torch.equal(ours, want) and scale == pytest.approx(want_scale, rel=1e-12)
+    rope = RotaryEmbedding(head_dim=32, rope_parameters=params, max_position_embeddings=256)
+    assert rope.grows_past == 64 and not rope.native
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25, 0.5])
+def test_partial_rotary_matches_transformers(factor, ops):
+    """Only the first R = factor * D dims of each head rotate (GPT-NeoX's apply, rotate-half within R)."""
+    from transformers.models.gpt_neox import modeling_gpt_neox as hf_neox
+    config = transformers.GPTNeoXConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=256,
+                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                             partial_rotary_factor=factor))
+    ours = RotaryEmbedding(head_dim=32, rope_parameters=rope_parameters(config), max_position_embeddings=256)
+    assert ours.rotary_dim == int(32 * factor) and ours.native
+    positions = torch.tensor([0, 3, 9, 40, 255, 1])
+    q, k = torch.randn(6, 4, 32), torch.randn(6, 2, 32)
+    cos, sin = hf_neox.GPTNeoXRotaryEmbedding(config)(q, positions[None])  # [1, T, R]
+    want_q, want_k = hf_neox.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got_q, got_k = ours(positions, q, k)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_interleaved_rotation_matches_cohere():
+    """The interleaved layout (dims 2f and 2f + 1 pair up), as Cohere applies it, bit for bit."""
+    from transformers.models.cohere import modeling_cohere as hf_cohere
+    config = transformers.CohereConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=256)
+    ours = get_rope(head_dim=32, rope_parameters=rope_parameters(config), max_position_embeddings=256,
+                    layout="interleaved")
+    assert not ours.native and ours is not get_rope(head_dim=32, rope_parameters=rope_parameters(config),
+                                                    max_position_embeddings=256)
+    positions = torch.tensor([0, 5, 17, 200])
+    q, k = torch.randn(4, 4, 32), torch.randn(4, 2, 32)
+    cos, sin = hf_cohere.CohereRotaryEmbedding(config)(q, positions[None])
+    want_q, want_k = hf_cohere.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got_q, got_k = ours(positions, q, k)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_a_plugin_extends_the_rope_table():
+    """A rope type registered by a plugin is used by every RotaryEmbedding; claiming it twice needs override."""
+    from zoo.layers import rotary
+
+    def halved(params, base, dim, max_position_embeddings, seq_len):
+        inv_freq, scaling = rotary.ROPE_TYPES["default"].init(params, base, dim, max_position_embeddings, seq_len)
+        return inv_freq / 2, scaling
+
+    rotary.register_rope_type("halved-test", halved)
+    try:
+        with pytest.raises(ValueError, match="'halved-test' is already registered; pass override=True"):
+            rotary.register_rope_type("halved-test", halved)
+        rope = RotaryEmbedding(head_dim=8, rope_parameters=dict(rope_type="halved-test", rope_theta=100.0),
+                               max_position_embeddings=8)
+        default, _ = compute_inv_freq(dict(rope_type="default", rope_theta=100.0), head_dim=8,
+                                      max_position_embeddings=8)
+        assert torch.equal(rope.inv_freq()[0], default / 2)
+    finally:
+        del rotary.ROPE_TYPES["halved-test"]
 
 
 # -- norms, embedding, MLP, fused linear ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""DESIGN.md's import direction, checked on the source: each package imports only what it may."""
+"""docs/design.md's import direction, checked on the source: each package imports only what it may."""
 import ast
 import sys
 from pathlib import Path

@@ -106,7 +106,7 @@ class FusedDecoder:
             if not (kind and _own_forwards(attn, _FORWARDS["attention"])
                     and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
                     and type(core) is Attention and core.softcap is None and type(attn.rotary_emb) is RotaryEmbedding
-                    and attn.rotary_emb.rope_type != "dynamic" and type(mlp) is GatedMLP and mlp.kind in _ACTS
+                    and attn.rotary_emb.native and type(mlp) is GatedMLP and mlp.kind in _ACTS
                     and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear):
                 return None
             if kind == "gemma3":  # the attention's and the MLP's outputs are normed before the residual adds

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (the "rotate half" / NeoX layout Llama-family checkpoints use).
+"""Rotary position embeddings: rope types (how frequencies are made) x layouts (which dims pair up).
 
 Shape legend:
     T = tokens (flattened)    n = heads    D = head dim    R = rotary dim (D * partial_rotary_factor)
@@ -11,24 +11,30 @@ the frequencies match bit for bit. `RotaryEmbedding` is a plain object, not a mo
 the loader could see, and computes its table lazily per (device, dtype) the first time it runs, so a
 model built on the meta device needs nothing materialised for it.
 
-"dynamic" (NTK) depends on the context length: as in transformers, a sequence longer than
-max_position_embeddings uses frequencies recomputed for its own length (here per request, from
+Extension points (docs/plugins.md): `ROPE_TYPES` / `register_rope_type` (default, linear, dynamic, yarn,
+llama3, longrope built in), `LAYOUTS` ("rotate_half", "interleaved"), partial rotary through
+`partial_rotary_factor` (only the first R dims of a head rotate, the rest pass through), and
+`get_rope(..., layout=, cls=)` for a RotaryEmbedding subclass.
+
+"dynamic" (NTK) and "longrope" depend on the context length: as in transformers, a sequence longer than
+the type's `grows_past` length uses frequencies recomputed for its own length (here per request, from
 `batch.seq_lens_cpu`; transformers uses the longest sequence of its padded batch).
 
-Fast path (float32, CPU, no autograd): `zoo.kernels.rotary` reads the table rows itself and rotates in
-one pass, rounding exactly as `rotate` does (same products, same sums).
+Fast path (float32, CPU, no autograd, rotate-half): `zoo.kernels.rotary` reads the table rows itself and
+rotates in one pass, rounding exactly as `rotate` does (same products, same sums).
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from zoo import kernels
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
@@ -43,6 +49,8 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     if not params:  # a config that predates rope_parameters
         params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
     params = dict(params)
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
@@ -52,34 +60,86 @@ def _frequencies(base, dim: int) -> torch.Tensor:
     return 1.0 / (base ** exponents)  # [F] float32
 
 
+@dataclass(frozen=True)
+class RopeType:
+    """One entry of ROPE_TYPES: how a rope type's frequencies are computed.
+
+    `init(params, base, dim, max_position_embeddings, seq_len) -> (inv_freq [F] float32 host, scaling)`, with
+    `dim` the rotary dim R and `seq_len` None or the context length of one request.
+    `grows_past(params, max_position_embeddings) -> int | None`: the context length past which the
+    frequencies depend on seq_len (a request longer than that gets its own), None when they never do.
+    """
+    init: Callable[[dict, float, int, int, int | None], tuple[torch.Tensor, float]]
+    grows_past: Callable[[dict, int], int | None] | None = None
+
+
+def _default(params, base, dim, max_position_embeddings, seq_len):
+    return _frequencies(base, dim), 1.0
+
+
+def _linear(params, base, dim, max_position_embeddings, seq_len):
+    return _frequencies(base, dim) / params["factor"], 1.0
+
+
+def _ntk_dynamic(params, base, dim, max_position_embeddings, seq_len):
+    if seq_len is None or seq_len <= max_position_embeddings:  # the original frequencies
+        factor, m = params["factor"], max_position_embeddings
+        return _frequencies(base * ((factor * m / m) - (factor - 1)) ** (dim / (dim - 2)), dim), 1.0
+    # grown past the trained length: NTK-stretched base, computed in float32 as transformers does
+    stretch = params["factor"] * torch.tensor(seq_len, dtype=torch.int64) / max_position_embeddings
+    return _frequencies(base * (stretch - (params["factor"] - 1)) ** (dim / (dim - 2)), dim), 1.0
+
+
+def _longrope(params, base, dim, max_position_embeddings, seq_len):
+    """Phi-3's: per-frequency factors, `short_factor` up to the trained length, `long_factor` past it."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = params["long_factor"] if seq_len and seq_len > original else params["short_factor"]
+    if len(factors) != dim // 2:
+        raise ValueError(f"rope_parameters: longrope has {len(factors)} factors but the rotary dim {dim} has "
+                         f"{dim // 2} frequencies")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [F]
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents), scaling  # [F]
+
+
+# rope type -> how its frequencies are computed; a plugin adds its own with register_rope_type
+ROPE_TYPES: dict[str, RopeType] = {}
+
+
+def register_rope_type(name: str, init, *, grows_past=None, override: bool = False) -> None:
+    """Add rope type `name` (see RopeType for `init` and `grows_past`); a second claim needs override=True."""
+    if name in ROPE_TYPES and not override:
+        raise ValueError(f"rope type {name!r} is already registered; pass override=True to replace it")
+    ROPE_TYPES[name] = RopeType(init, grows_past)
+
+
+def supported_rope_type(rope_type: str | None, where: str = "rope_parameters") -> RopeType:
+    """The table entry of `rope_type`, or ValueError naming it and what is supported."""
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    return ROPE_TYPES[rope_type]
+
+
+def rotary_dim_of(params: dict, head_dim: int) -> int:
+    """R: the leading dims of each head that rotate (`partial_rotary_factor` of D, as transformers truncates)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
 def compute_inv_freq(params: dict, *, head_dim: int, max_position_embeddings: int,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [F] float32 on the host, attention scaling applied to cos and sin) for one rope type.
 
-    `seq_len` matters to "dynamic" only: the context length the frequencies are stretched for.
+    `seq_len` matters only to types whose frequencies grow with the context ("dynamic", "longrope").
     """
-    rope_type = params["rope_type"]
-    base = params["rope_theta"]
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    if rope_type == "default":
-        return _frequencies(base, dim), 1.0
-    if rope_type == "linear":
-        return _frequencies(base, dim) / params["factor"], 1.0
-    if rope_type == "dynamic":
-        if seq_len is None or seq_len <= max_position_embeddings:  # the original frequencies
-            factor, m = params["factor"], max_position_embeddings
-            return _frequencies(base * ((factor * m / m) - (factor - 1)) ** (dim / (dim - 2)), dim), 1.0
-        # grown past the trained length: NTK-stretched base, computed in float32 as transformers does
-        stretch = params["factor"] * torch.tensor(seq_len, dtype=torch.int64) / max_position_embeddings
-        return _frequencies(base * (stretch - (params["factor"] - 1)) ** (dim / (dim - 2)), dim), 1.0
-    if rope_type == "yarn":
-        return _yarn(params, base, dim, max_position_embeddings)
-    if rope_type == "llama3":
-        return _llama3(params, base, dim, max_position_embeddings)
-    raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    entry = supported_rope_type(params["rope_type"], "rope_parameters.rope_type")
+    return entry.init(params, params["rope_theta"], rotary_dim_of(params, head_dim), max_position_embeddings,
+                      seq_len)
 
 
-def _yarn(params: dict, base: float, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def _yarn(params: dict, base: float, dim: int, max_position_embeddings: int, seq_len=None):
     original = params.get("original_max_position_embeddings") or max_position_embeddings
     factor = params.get("factor") or max_position_embeddings / original
 
@@ -107,7 +167,7 @@ def _yarn(params: dict, base: float, dim: int, max_position_embeddings: int) -> 
     return interpolated * (1 - keep) + extrapolated * keep, scaling
 
 
-def _llama3(params: dict, base: float, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def _llama3(params: dict, base: float, dim: int, max_position_embeddings: int, seq_len=None):
     inv_freq = _frequencies(base, dim)  # [F]
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     original = params.get("original_max_position_embeddings") or max_position_embeddings
@@ -119,24 +179,79 @@ def _llama3(params: dict, base: float, dim: int, max_position_embeddings: int) -
     return torch.where(medium, smoothed, scaled), 1.0
 
 
-class RotaryEmbedding:
-    """Rotates q and k by position. One instance is shared by every layer with the same parameters."""
+for _name, _init, _grows in (
+        ("default", _default, None), ("linear", _linear, None),
+        ("dynamic", _ntk_dynamic, lambda params, max_position_embeddings: max_position_embeddings),
+        ("yarn", _yarn, None), ("llama3", _llama3, None),
+        ("longrope", _longrope, lambda params, max_position_embeddings: params["original_max_position_embeddings"])):
+    register_rope_type(_name, _init, grows_past=_grows)
 
-    def __init__(self, *, head_dim: int, rope_parameters: dict, max_position_embeddings: int):
+
+# -- layouts: which dims of a head pair up in a rotation ------------------------------------------------
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """"rotate-half" (NeoX, Llama): x [T, n, D] rotated in its first R = 2F dims, dim f paired with f + F:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); dims R.. pass through."""
+    f = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, F]
+    x1, x2, rest = x[..., :f], x[..., f:2 * f], x[..., 2 * f:]  # [T, n, F], [T, n, F], [T, n, D - R]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)  # [T, n, D]
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """"interleaved" (GPT-J, Cohere): x [T, n, D] rotated in its first R = 2F dims, dim 2f paired with 2f + 1;
+    dims R.. pass through."""
+    f = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, F]
+    pairs, rest = x[..., :2 * f].unflatten(-1, (f, 2)), x[..., 2 * f:]  # [T, n, F, 2], [T, n, D - R]
+    x1, x2 = pairs[..., 0], pairs[..., 1]  # [T, n, F] each
+    rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)  # [T, n, R]
+    return torch.cat((rotated, rest), dim=-1)  # [T, n, D]
+
+
+# layout name -> rotation; only "rotate_half" has a native kernel (the others run in torch)
+LAYOUTS = {"rotate_half": rotate, "interleaved": rotate_interleaved}
+
+
+class RotaryEmbedding:
+    """Rotates q and k by position. One instance is shared by every layer with the same parameters.
+
+    A plugin with another rotation subclasses it (overriding `rotate_pair`) or registers a layout in LAYOUTS;
+    a new frequency rule is a rope type (register_rope_type).
+    """
+
+    def __init__(self, *, head_dim: int, rope_parameters: dict, max_position_embeddings: int,
+                 layout: str = "rotate_half"):
         rope_type = rope_parameters.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported; "
-                             f"supported: {', '.join(ROPE_TYPES)}")
-        self.head_dim = head_dim
+        entry = supported_rope_type(rope_type)
+        if layout not in LAYOUTS:
+            raise ValueError(f"rotary layout {layout!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        self.head_dim, self.layout = head_dim, layout
         self.params = {**rope_parameters, "rope_type": rope_type}
         self.rope_type = rope_type
-        self.rotary_dim = int(head_dim * self.params.get("partial_rotary_factor", 1.0))
+        self.rotary_dim = rotary_dim_of(self.params, head_dim)
+        if not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rope_parameters: partial_rotary_factor={self.params.get('partial_rotary_factor')} "
+                             f"gives a rotary dim of {self.rotary_dim} for head_dim {head_dim} (needs an even "
+                             f"number in 2..{head_dim})")
         self.max_position_embeddings = max_position_embeddings
+        # the context length past which a request's frequencies are its own (None: never)
+        self.grows_past = entry.grows_past(self.params, max_position_embeddings) if entry.grows_past else None
         self._inv_freq: tuple[torch.Tensor, float] | None = None  # ([F] float32 host, scaling), made on first use
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def native_layout(self) -> bool:
+        """The native kernel rotates this layout: rotate-half, `rotate_pair` not overridden."""
+        return self.layout == "rotate_half" and type(self).rotate_pair is RotaryEmbedding.rotate_pair
+
+    @property
+    def native(self) -> bool:
+        """The fused step can rotate with this: the native layout and one table for any context length."""
+        return self.native_layout and self.grows_past is None
+
     def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-        if seq_len is not None and self.rope_type == "dynamic" and seq_len > self.max_position_embeddings:
+        if seq_len is not None and self.grows_past is not None and seq_len > self.grows_past:
             return compute_inv_freq(self.params, head_dim=self.head_dim,
                                     max_position_embeddings=self.max_position_embeddings, seq_len=seq_len)
         if self._inv_freq is None:
@@ -164,23 +279,27 @@ class RotaryEmbedding:
         cos, sin = self.table(positions.device, dtype, num_positions)
         return cos[positions], sin[positions]  # [T, F], [T, F]
 
+    def rotate_pair(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, n, D] rotated by cos, sin [T, F] in this layout."""
+        return LAYOUTS[self.layout](x, cos, sin)
+
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch=None):
         """q [T, n, D], k [T, n_kv, D] -> both rotated, same shapes and dtype. `batch` gives host lengths."""
         if batch is not None and batch.seq_lens_cpu:
             num_positions = max(batch.seq_lens_cpu)
         else:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1  # one device sync
-        grown = self.rope_type == "dynamic" and num_positions > self.max_position_embeddings
-        if not grown and kernels.fast(q, k):
+        grown = self.grows_past is not None and num_positions > self.grows_past
+        if not grown and self.native_layout and kernels.fast(q, k):
             cos, sin = self.table(positions.device, q.dtype, num_positions)  # [L, F]
             return kernels.rotary(q, k, positions, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype, num_positions)
         if grown:
-            cos, sin = self._dynamic(positions, q.dtype, cos, sin, batch, num_positions)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+            cos, sin = self._grown(positions, q.dtype, cos, sin, batch, num_positions)
+        return self.rotate_pair(q, cos, sin), self.rotate_pair(k, cos, sin)
 
-    def _dynamic(self, positions, dtype, cos, sin, batch, num_positions):
-        """Rows of requests longer than the trained length use frequencies stretched for their length."""
+    def _grown(self, positions, dtype, cos, sin, batch, num_positions):
+        """Rows of requests longer than `grows_past` use frequencies computed for their own length."""
         cos, sin = cos.clone(), sin.clone()
         if batch is None or not batch.seq_lens_cpu:
             spans = [(0, positions.shape[0], num_positions)]
@@ -188,26 +307,19 @@ class RotaryEmbedding:
             starts = batch.query_start_loc_cpu
             spans = [(starts[i], starts[i + 1], n) for i, n in enumerate(batch.seq_lens_cpu)]
         for start, end, seq_len in spans:
-            if seq_len > self.max_position_embeddings and end > start:
+            if seq_len > self.grows_past and end > start:
                 inv_freq, scaling = self.inv_freq(seq_len)
                 cos[start:end], sin[start:end] = self._cos_sin(positions[start:end], inv_freq, scaling, dtype)
         return cos, sin
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n, D] rotated in its first R = 2F dims: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    f = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, F]
-    x1, x2, rest = x[..., :f], x[..., f:2 * f], x[..., 2 * f:]  # [T, n, F], [T, n, F], [T, n, D - R]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)  # [T, n, D]
-
-
 @functools.lru_cache(maxsize=None)
-def _shared(head_dim: int, params_json: str, max_position_embeddings: int) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim=head_dim, rope_parameters=json.loads(params_json),
-                           max_position_embeddings=max_position_embeddings)
+def _shared(cls, head_dim: int, params_json: str, max_position_embeddings: int, layout: str) -> RotaryEmbedding:
+    return cls(head_dim=head_dim, rope_parameters=json.loads(params_json),
+               max_position_embeddings=max_position_embeddings, layout=layout)
 
 
-def get_rope(*, head_dim: int, rope_parameters: dict, max_position_embeddings: int) -> RotaryEmbedding:
-    """The shared RotaryEmbedding for these parameters (layers with equal parameters share one table)."""
-    return _shared(head_dim, json.dumps(rope_parameters, sort_keys=True), max_position_embeddings)
+def get_rope(*, head_dim: int, rope_parameters: dict, max_position_embeddings: int, layout: str = "rotate_half",
+             cls: type[RotaryEmbedding] = RotaryEmbedding) -> RotaryEmbedding:
+    """The shared `cls` instance for these parameters (layers with equal parameters share one table)."""
+    return _shared(cls, head_dim, json.dumps(rope_parameters, sort_keys=True), max_position_embeddings, layout)
