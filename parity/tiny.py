@@ -15,7 +15,9 @@ it is and shrink only sizes, so parity can run in seconds before any weights are
               (at most 8, so the default prompts cross it), MLA ranks
   not shrunk  a multimodal config's vision tower (only its text_config is shrunk)
 Weights are random (transformers' own init, seeded, initializer_range raised to 0.2 so that attention is
-far from uniform and masking / rotary errors show) and saved with save_pretrained (safetensors).
+far from uniform and masking / rotary errors show), then `randomize_constants` replaces what that init
+leaves constant (biases 0, norm weights 1 or Gemma's 0 offsets, router score biases 0), so a dropped
+bias or a misplaced norm changes the output; saved with save_pretrained (safetensors).
 """
 from __future__ import annotations
 
@@ -30,6 +32,29 @@ MAX_EXPERTS = 8
 MAX_VOCAB = 256
 MAX_WINDOW = 8
 WIDE_INIT = 0.2
+CONSTANT_SPREAD = 0.2  # a constant c becomes c + N(0, 0.2 * max(1, |c|)): norms 1 +- 0.2, biases +- 0.2
+
+
+@torch.no_grad()
+def randomize_constants(model: torch.nn.Module, *, seed: int = 0) -> list[str]:
+    """Give every saved tensor that init left constant (all elements equal: a bias of zeros, a norm weight
+    of ones, a router's score-correction bias) random values around that constant, seeded; tensors init
+    already made random are kept. Returns the names changed. Used by `--tiny` and by the tests' tiny
+    checkpoints (tests/tiny.py), so that biases, norm weights and router biases take part in parity."""
+    g = torch.Generator().manual_seed(seed)
+    saved = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied ones once
+    changed, seen = [], set()
+    for name, t in saved.items():
+        if id(t) in seen or not t.is_floating_point() or t.numel() < 2:
+            continue
+        seen.add(id(t))
+        c = t.flatten()[0]
+        if not bool((t == c).all()):
+            continue
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32) * CONSTANT_SPREAD * max(1.0, abs(c.item()))
+        t.copy_((c.float() + noise).to(t.dtype))
+        changed.append(name)
+    return changed
 
 
 def load_config(source) -> transformers.PretrainedConfig:
@@ -181,6 +206,7 @@ def save_tiny_checkpoint(source, out_dir, *, seed: int = 0) -> Path:
         raise ValueError(f"--tiny {source}: transformers {transformers.__version__} has no class {archs[0]}")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    randomize_constants(model, seed=seed)
     out = Path(out_dir)
     model.save_pretrained(out)
     return out

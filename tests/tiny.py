@@ -36,12 +36,19 @@ def tiny_config(architecture: str, **overrides):
     return config
 
 
-def save_tiny(architecture: str, path: str | Path, *, seed: int = 0, max_shard_size=None, **overrides) -> Path:
-    """Build `architecture` with random weights from BASE + overrides and save it under `path`."""
+def save_tiny(architecture: str, path: str | Path, *, seed: int = 0, max_shard_size=None, randomize: bool = False,
+              **overrides) -> Path:
+    """Build `architecture` with random weights from BASE + overrides and save it under `path`.
+    `randomize`: also give what transformers' init leaves constant (biases, norm weights, router biases)
+    random values (parity.tiny.randomize_constants)."""
     path = Path(path)
     config = tiny_config(architecture, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()
+    if randomize:
+        from parity.tiny import randomize_constants
+
+        randomize_constants(model, seed=seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path

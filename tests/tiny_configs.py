@@ -1,0 +1,45 @@
+"""One tiny parity configuration per registered architecture: what each exercises beyond Llama.
+
+    path = save_arch("MistralForCausalLM", tmp_path)      # built by transformers, saved, every constant randomised
+
+An entry is either overrides of tests/tiny.py's BASE (a dict: save_tiny builds the architecture's own
+transformers class from it) or a function `(path) -> checkpoint dir` for a model BASE cannot describe (a
+vision tower, an SSM block): it must build with transformers, randomise the constants
+(parity.tiny.randomize_constants) and save_pretrained under `path`.
+tests/test_parity_registry.py fails for a registered architecture without an entry here: adding an
+architecture means adding one line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from tiny import save_tiny
+
+WIDE = dict(initializer_range=0.2)  # weights large enough that attention is far from uniform
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MLA = dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4, moe_intermediate_size=32, kv_lora_rank=16,
+           qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, num_key_value_heads=4, q_lora_rank=24)
+
+TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": dict(sliding_window=8),
+    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(head_dim=32),
+    "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=3.0,
+                              layer_types=["sliding_attention", "full_attention"]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, shared_expert_intermediate_size=48, decoder_sparse_step=2, **MOE),
+    "Qwen3MoeForCausalLM": dict(num_experts=4, norm_topk_prob=True, **MOE),
+    "OlmoeForCausalLM": dict(num_experts=4, **MOE),
+    "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
+    "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
+}
+
+
+def save_arch(architecture: str, path: str | Path, *, seed: int = 0, randomize: bool = True) -> Path:
+    """The tiny checkpoint of `architecture` from its TINY_CONFIGS entry, saved under `path`."""
+    entry = TINY_CONFIGS[architecture]
+    if callable(entry):
+        return Path(entry(Path(path)))
+    return save_tiny(architecture, path, seed=seed, randomize=randomize, **{**WIDE, **entry})
