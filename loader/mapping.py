@@ -84,7 +84,7 @@ class Mapper:
                 return Mapped("ignored", key, reason=reason)
         name = key
         for r in self.rules.renames:
-            name = name.replace(r.src, r.dst)
+            name = _rename(name, r.src.removeprefix("^"), r.dst, anchored=r.src.startswith("^"))
         comps = name.split(".")
         expert, unstacked = None, comps
         for s in self.rules.stacks:
@@ -183,5 +183,12 @@ class Mapper:
     def unrename(self, name: str) -> str:
         for r in reversed(self.rules.renames):
             if r.dst:
-                name = name.replace(r.dst, r.src)
+                name = _rename(name, r.dst, r.src.removeprefix("^"), anchored=r.src.startswith("^"))
         return name
+
+
+def _rename(name: str, src: str, dst: str, *, anchored: bool) -> str:
+    """`src` -> `dst` in `name`: every occurrence, or (anchored) only at its start."""
+    if anchored:
+        return dst + name[len(src):] if name.startswith(src) else name
+    return name.replace(src, dst)

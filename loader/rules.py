@@ -3,7 +3,8 @@
 A checkpoint key goes through the rules in this order:
 
     Ignore  -> dropped, with the reason recorded in the report
-    Rename  -> literal substring replacement, applied in order (reversible, so errors can name keys)
+    Rename  -> literal substring replacement (or of a key's start, for a src spelt "^..."), applied in order
+               (reversible, so errors can name keys)
     Stack   -> `experts.{e}.` taken out of the key; the tensor goes to index e of the leading dim
     Fuse    -> `q_proj` / `k_proj` / `v_proj` become shard 0 / 1 / 2 of `qkv_proj` along `dim`
     Tie     -> a parameter that the checkpoint lacks is filled from another key it holds
@@ -18,7 +19,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Rename:
-    """Replace the literal substring `src` of a key with `dst` (e.g. ".block_sparse_moe." -> ".mlp.")."""
+    """Replace the literal substring `src` of a key with `dst` (e.g. ".block_sparse_moe." -> ".mlp.").
+
+    A `src` starting with "^" replaces only a key's start: Rename("^vision_tower.", "model.vision_tower.")
+    maps `vision_tower.x` and leaves `model.vision_tower.x` alone (two layouts of one checkpoint).
+    """
 
     src: str
     dst: str

@@ -24,6 +24,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen2_moe",
     "plugins.qwen3_moe",
     "plugins.olmoe",
+    "plugins.llava",
     "plugins.deepseek",
 )
 ENTRY_POINT_GROUP = "zoo"

@@ -37,8 +37,14 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
             raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
     with torch.device("meta"):
         model = spec.model_class()(config)
-    report = loader.load(model, source, spec.rules, dtype=dtype, device=device)
+    report = loader.load(model, source, rules_for(spec, model), dtype=dtype, device=device)
     return model.eval(), config, spec, report
+
+
+def rules_for(spec, model) -> loader.Rules:
+    """The spec's weight rules plus those the built model adds for its config (`model.load_rules`: e.g. the
+    vision layers past the last one a multimodal model reads, named as ignored)."""
+    return spec.rules + getattr(model, "load_rules", loader.Rules())
 
 
 def exit_status(error: loader.LoadError) -> int:

@@ -72,7 +72,9 @@ def _build(source, use_transformers: bool):
     cls = spec.model_class()
     with torch.device("meta"):
         model = cls(config)
-    return model, spec.rules, f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
+    from zoo.build import rules_for
+
+    return model, rules_for(spec, model), f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
 
 
 def _fold(rows):
