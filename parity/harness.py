@@ -190,7 +190,7 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
     if prompts is None and prompts_file is not None:
         prompts, prompt_texts = read_prompts(prompts_file, tokenizer)
     elif prompts is None:
-        prompts, prompt_texts = default_prompts(tokenizer, config.vocab_size, seed)
+        prompts, prompt_texts = default_prompts(tokenizer, config.get_text_config().vocab_size, seed)
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
 

@@ -21,9 +21,12 @@ from parity.taps import LOGITS, Capture, reference_taps
 
 
 def load_reference(path, *, device: str = "cpu", **kwargs):
-    """transformers' AutoModelForCausalLM from a checkpoint directory, float32, eager attention.
-    `kwargs` go to from_pretrained (e.g. gguf_file=...)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    """transformers' AutoModelForCausalLM (AutoModelForImageTextToText for a multimodal config) from a
+    checkpoint directory, float32, eager attention. `kwargs` go to from_pretrained (e.g. gguf_file=...)."""
+    config = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") \
+        else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager", **kwargs
     )
     return model.to(device).eval()

@@ -48,15 +48,21 @@ def llava_config(text: str = "LlamaForCausalLM", vision: dict | None = None, tex
     return config
 
 
-def save_tiny_llava(path: str | Path, *, seed: int = 0, **kw) -> Path:
-    """A random-weight LLaVA (CLIP 32x32 images, 8x8 patches: 16 or 17 feature rows) with its processor."""
+def save_tiny_llava(path: str | Path, *, seed: int = 0, randomize: bool = True, **kw) -> Path:
+    """A random-weight LLaVA (CLIP 32x32 images, 8x8 patches: 16 or 17 feature rows) with its processor;
+    `randomize`: what init leaves constant (biases, norm weights) made random too."""
     from transformers import LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     path = Path(path)
     config = llava_config(**kw)
     torch.manual_seed(seed)
-    transformers.LlavaForConditionalGeneration(config).eval().save_pretrained(path)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    if randomize:
+        from parity.tiny import randomize_constants
+
+        randomize_constants(model, seed=seed)
+    model.save_pretrained(path)
     vc = config.vision_config
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": vc.image_size},
                                             crop_size={"height": vc.image_size, "width": vc.image_size})

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from multimodal_tiny import save_tiny_llava
 from tiny import save_tiny
 
 WIDE = dict(initializer_range=0.2)  # weights large enough that attention is far from uniform
@@ -34,6 +35,7 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     "OlmoeForCausalLM": dict(num_experts=4, **MOE),
     "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
     "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
+    "LlavaForConditionalGeneration": save_tiny_llava,  # Llama text, CLIP features from layer -2
 }
 
 
