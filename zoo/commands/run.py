@@ -90,12 +90,13 @@ def run(args) -> int:
 
     if args.prompt is not None or not sys.stdin.isatty():
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        if not prompt.strip():
+            return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
         try:
             ids = _fit(llm, prompt, chat, history)
-        except PromptTooLong as e:
+        except (PromptTooLong, ValueError) as e:  # (ValueError: a token id the model lacks, a broken template)
             return _fail(str(e), 2)
-        _generate(llm, ids, params)
-        return 0
+        return 1 if _generate(llm, ids, params) is None else 0
     print(f"zoo: chatting with {llm.files.name} ({'chat' if chat else 'completion'} mode); "
           f"empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -111,7 +112,12 @@ def run(args) -> int:
         except PromptTooLong as e:
             print(f"zoo run: error: {e}; try a shorter one", file=sys.stderr)
             continue
+        except ValueError as e:
+            print(f"zoo run: error: {e}", file=sys.stderr)
+            continue
         reply = _generate(llm, ids, params)
+        if reply is None:
+            return 1
         if chat:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
 
@@ -138,6 +144,11 @@ def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
         if dropped:
             print(f"zoo: dropped the {dropped} oldest turn{'s' * (dropped != 1)} of the conversation to fit "
                   f"max_model_len={limit}", file=sys.stderr)
+    from zoo.runtime.engine import token_ids
+
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    token_ids(ids, llm.engine.vocab_size, "the prompt")  # a tokenizer larger than the model: a ValueError, named
     if len(ids) >= limit:
         raise PromptTooLong(f"the prompt is {len(ids)} tokens; {llm.files.name} takes at most {limit - 1} "
                             f"(max_model_len={limit})")
@@ -170,7 +181,8 @@ def _load(args):
     return llm
 
 
-def _generate(llm, ids: list[int], params) -> str:
+def _generate(llm, ids: list[int], params) -> str | None:
+    """The reply (streamed to stdout), or None when the model's logits went NaN / infinite (said on stderr)."""
     t0 = time.perf_counter()
     first = None
     text, n = "", 0
@@ -180,6 +192,10 @@ def _generate(llm, ids: list[int], params) -> str:
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
         text, n = out.text, len(out.token_ids)
+        if out.finish_reason == "error":
+            sys.stdout.write("\n")
+            _fail(f"{llm.files.name}: {out.stop_reason}; stopped after {n} tokens", 1)
+            return None
     end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()

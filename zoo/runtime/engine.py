@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,9 @@ from zoo.runtime.sampling_params import SamplingParams
 from zoo.runtime.scheduler import Scheduler
 
 
+NON_FINITE = "the model's logits are NaN or infinite (non-finite weights, or a config that overflows)"
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -28,8 +32,8 @@ class RequestOutput:
     text: str  # all text so far (held-back text excluded)
     token_ids: list[int]  # all output tokens so far (a stop token id included)
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None  # the stop token id or stop string
+    finish_reason: str | None  # "stop", "length", "abort", "error" (NaN / Inf logits) or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string (NON_FINITE with "error")
     delta_text: str = ""  # new this step
     delta_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
@@ -48,6 +52,35 @@ def eos_token_ids(config, tokenizer=None, generation_config=None) -> set[int]:
             return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
     eos = getattr(tokenizer, "eos_token_id", None)
     return {eos} if eos is not None else set()
+
+
+def vocab_size(config) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def token_ids(prompt, vocab: int | None, what: str) -> list[int]:
+    """The prompt as a list of ints in [0, vocab): a ValueError naming the first bad one (a float, a bool, out of
+    range), never an error inside a later step."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or an array
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple, range)):
+        raise ValueError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and (vocab is None or max(ids) < vocab))):
+        return ids  # (the common case, without a Python loop body per token)
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids[i] = t = operator.index(t)
+            except TypeError:
+                raise ValueError(f"{what} token {i} is {t!r}: token ids must be integers") from None
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise ValueError(f"{what} token {i} is {t}, outside the vocabulary of {vocab} tokens")
+    return ids
 
 
 class LLMEngine:
@@ -75,6 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device)
         self.kv_bytes_per_token = bytes_per_token(specs)
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
+        self.vocab_size = vocab_size(config)  # the logits' width: token ids at or past it are refused on arrival
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -83,12 +117,17 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params={params!r}: expected a SamplingParams")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
             text, prompt = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         request_id = str(next(self._ids)) if request_id is None else request_id
+        prompt = token_ids(prompt, self.vocab_size, f"request {request_id!r}: prompt")
+        if self.vocab_size is not None:
+            params.check_vocab(self.vocab_size)
         req = Request(request_id, list(prompt), params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
                       prompt=text)
         if params.stop and self.tokenizer is None:
@@ -119,19 +158,24 @@ class LLMEngine:
             return []
         self.num_steps += 1
         reqs, sampled = self.runner.execute(out, self.kv)
-        tokens = {}
+        tokens, broken = {}, []
         for i, req in enumerate(reqs):
+            if sampled.token_ids[i] is None:  # non-finite logits: the request ends, the others go on
+                broken.append(req)
+                continue
             tokens[req.request_id] = sampled.token_ids[i]
             if req.logprobs is not None:
                 req.logprobs.append(sampled.logprobs[i])
         self.scheduler.update_from_output(out, tokens)
-        return [self._output(req, tokens[req.request_id]) for req in reqs]
+        for req in broken:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, NON_FINITE)
+        return [self._output(req, tokens.get(req.request_id)) for req in reqs]
 
-    def _output(self, req: Request, token: int) -> RequestOutput:
+    def _output(self, req: Request, token: int | None) -> RequestOutput:
         delta, text = "", ""
         detok = self.detokenizers.get(req.request_id)
         if detok is not None:
-            delta = detok.add_tokens([token])
+            delta = detok.add_tokens([token] if token is not None else [])
             if detok.stop_string is not None and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, detok.stop_string)
             if req.finished:
@@ -139,5 +183,5 @@ class LLMEngine:
                 del self.detokenizers[req.request_id]
             text = detok.text[:detok.emitted]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, text, list(req.output_token_ids),
-                             req.logprobs, req.finish_reason, req.stop_reason, delta, [token],
+                             req.logprobs, req.finish_reason, req.stop_reason, delta, [token] if token is not None else [],
                              req.num_cached_tokens or 0, req.num_preemptions)

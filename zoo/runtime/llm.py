@@ -8,11 +8,15 @@
 """
 from __future__ import annotations
 
+import contextlib
+import numbers
+import threading
 import time
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from zoo.runtime import chat_template
 from zoo.runtime.engine import LLMEngine, RequestOutput
 from zoo.runtime.model_files import (load_config, load_generation_config, load_tokenizer, resolve_model)
 from zoo.runtime.sampling_params import SamplingParams
@@ -60,50 +64,86 @@ class LLM:
         self.engine, self.tokenizer, self.model, self.config = engine, engine.tokenizer, engine.model, engine.config
         return self
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) with the generation prompt appended."""
+    def apply_chat_template(self, messages: list[dict], *, seconds: float = chat_template.SECONDS) -> list[int]:
+        """Token ids of a chat (list of {"role", "content"}) with the generation prompt appended; a template that
+        fails or does not finish within `seconds` is a ValueError (zoo.runtime.chat_template)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        files = getattr(self, "files", None)
+        return chat_template.apply_chat_template(self.tokenizer, messages, seconds=seconds,
+                                                 name=files.name if files is not None else "the model")
 
     def _add(self, prompts, params) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Add every prompt, or none: a prompt refused (too long, a bad token id) aborts those added before it."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], numbers.Number)):
             prompts = [prompts]
         if not isinstance(params, (list, tuple)):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        added: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                added.append(self.engine.add_request(p, sp))
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return added
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One generate / stream at a time: another thread waits for its turn; the same thread calling in again
+        (generate inside a stream's loop) would step the stream's requests for it, so it is refused."""
+        lock = self.__dict__.setdefault("_lock", threading.Lock())  # (from_engine skips __init__)
+        if self.__dict__.get("_owner") == threading.get_ident():
+            raise RuntimeError("this thread is already running a generate or stream of this LLM (a stream not yet "
+                               "finished?): finish or close it first; one LLM serves one call at a time")
+        with lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion (continuously batched); outputs in the order of the prompts."""
-        ids = self._add(prompts, params)
-        final: dict[str, RequestOutput] = {}
-        try:
-            while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        except BaseException:
-            for rid in ids:
-                if rid not in final:
-                    self.engine.abort_request(rid)
-            raise
-        return [final[i] for i in ids]
+        """Run all prompts to completion (continuously batched); outputs in the order of the prompts.
+
+        Thread-safe: calls from several threads run one after another. On an error (a refused prompt, an
+        exception in a step, KeyboardInterrupt) every request of this call is aborted, its KV blocks freed."""
+        with self._exclusive():
+            ids = self._add(prompts, params)
+            mine, final = set(ids), {}
+            try:
+                while len(final) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in mine:  # (requests added to the engine directly
+                            final[out.request_id] = out  # are stepped too, but not returned)
+            except BaseException:
+                for rid in ids:
+                    if rid not in final:
+                        self.engine.abort_request(rid)
+                raise
+            return [final[i] for i in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yield each step's RequestOutput (delta_text / delta_token_ids, and the totals so far)."""
-        ids = self._add(prompts, params)
-        left = set(ids)
-        try:
-            while left:
-                for out in self.engine.step():
-                    if out.finished:
-                        left.discard(out.request_id)
-                    yield out
-        finally:
-            for rid in left:
-                self.engine.abort_request(rid)
+        """Yield each step's RequestOutput (delta_text / delta_token_ids, and the totals so far) of these prompts.
+
+        Holds the LLM until the stream is exhausted or closed: other threads' calls wait."""
+        with self._exclusive():
+            ids = self._add(prompts, params)
+            left = set(ids)
+            try:
+                while left:
+                    for out in self.engine.step():
+                        if out.request_id not in left:
+                            continue
+                        if out.finished:
+                            left.discard(out.request_id)
+                        yield out
+            finally:
+                for rid in left:
+                    self.engine.abort_request(rid)

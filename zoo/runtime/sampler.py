@@ -22,7 +22,7 @@ from zoo.runtime.request import Request
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # [N]
+    token_ids: list[int | None]  # [N]; None: the row's logits are not finite (NaN / Inf), nothing sampled
     logprobs: list[dict[int, float] | None]  # [N]: token -> raw logprob (sampled token first), or None
 
 
@@ -114,6 +114,9 @@ class Sampler:
         processed = self.process(raw, reqs)  # [N, V]
         greedy = [r.sampling_params.greedy for r in reqs]
         tokens = kernels.argmax(processed) if kernels.fast(processed) else processed.argmax(-1)  # [N]
+        # a NaN anywhere in a row is what argmax picks (and what softmax spreads to the whole row): the value
+        # drawn is checked, N numbers per step, and a row that is not finite samples nothing (None)
+        chosen = processed.gather(1, tokens[:, None])[:, 0]  # [N]
         if not all(greedy):
             probs = processed.softmax(-1)  # [N, V]
             q = torch.empty_like(probs).exponential_(generator=self.generator)  # [N, V]
@@ -121,8 +124,12 @@ class Sampler:
                 if r.generator is not None and not greedy[i]:
                     q[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(q.device)
             drawn = (probs / q).argmax(-1)  # [N]
-            tokens = torch.where(torch.tensor(greedy, device=tokens.device), tokens, drawn)
+            is_greedy = torch.tensor(greedy, device=tokens.device)
+            tokens = torch.where(is_greedy, tokens, drawn)
+            chosen = torch.where(is_greedy, chosen, probs.gather(1, drawn[:, None])[:, 0])
         token_list = tokens.tolist()
+        if not bool(torch.isfinite(chosen).all()):
+            token_list = [t if ok else None for t, ok in zip(token_list, torch.isfinite(chosen).tolist())]
         return SamplerOutput(token_list, self._logprobs(raw, tokens, reqs))
 
     @staticmethod

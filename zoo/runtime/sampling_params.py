@@ -1,6 +1,8 @@
 """SamplingParams: how one request picks its tokens and when it stops."""
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 
@@ -33,23 +35,43 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if self.top_k is None or self.top_k < 0:
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = [_integer("stop_token_ids", t, low=0) for t in _as_list("stop_token_ids",
+                                                                                       self.stop_token_ids)]
+        self.max_tokens = _integer("max_tokens", self.max_tokens, low=1)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, low=0)
+        self.top_k = 0 if self.top_k is None else _integer("top_k", self.top_k, low=-1, why="(0 or -1 = off)")
+        if self.top_k < 0:
             self.top_k = 0
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, low=0)
+        if self.seed is not None:  # torch.Generator.manual_seed takes [-2^63, 2^64)
+            self.seed = _integer("seed", self.seed, low=-(1 << 63), high=(1 << 64) - 1)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            setattr(self, name, _real(name, getattr(self, name)))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be True or False")
         checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
+            ("min_tokens", self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids and logprob counts a model with `vocab_size` logits cannot serve (at add_request)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: {bad[0]} is outside the "
+                             f"vocabulary of {vocab_size} tokens")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={self.logprobs}: more than the vocabulary's {vocab_size} tokens")
 
     @property
     def greedy(self) -> bool:
@@ -58,3 +80,37 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _integer(name: str, value, *, low: int, high: int | None = None, why: str = "") -> int:
+    """value as an int in [low, high] (an int, or a numpy / torch integer scalar; never a float or a bool)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be an integer") from None
+    if out < low or (high is not None and out > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be {bound}{' ' + why if why else ''}")
+    return out
+
+
+def _real(name: str, value) -> float:
+    """value as a finite float (an int or float; never a bool, a string, NaN or an infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be a number")
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be a number") from None
+    if not math.isfinite(out):
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be finite")
+    return out
+
+
+def _as_list(name: str, value) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be a list") from None

@@ -1,0 +1,212 @@
+"""Hostile and careless input to the runtime: every bad SamplingParams field or prompt is a ValueError naming
+it before any step runs; a failed generate leaves nothing behind; two threads on one LLM get their own
+answers; NaN logits end a request with finish_reason "error" instead of sampling token 0 for ever."""
+import math
+import threading
+
+import pytest
+import torch
+
+from tiny import save_tiny
+from zoo import LLM
+from zoo.build import build_model
+from zoo.runtime.engine import LLMEngine
+from zoo.runtime.sampling_params import SamplingParams
+
+VOCAB = 128  # tests/tiny.py's BASE
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("hostile-llama"))
+    model, config, _, _ = build_model(path)
+    return model, config
+
+
+def make_llm(tiny, **kw):
+    model, config = tiny
+    return LLM.from_engine(LLMEngine(model, config, block_size=4, **kw))
+
+
+def pool_is_empty(llm) -> bool:
+    pool = llm.engine.kv.pool
+    return (not llm.engine.scheduler.requests and not llm.engine.has_unfinished_requests()
+            and pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", -5), ("top_k", 2.5), ("max_tokens", 2.5), ("max_tokens", 0), ("max_tokens", True),
+    ("min_tokens", -1), ("logprobs", -1), ("logprobs", 1.5), ("seed", 10 ** 23), ("seed", 1.0),
+    ("stop_token_ids", [2.0]), ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("temperature", math.nan),
+    ("temperature", math.inf), ("top_p", math.nan), ("min_p", math.nan), ("repetition_penalty", math.inf),
+    ("presence_penalty", math.nan), ("frequency_penalty", -math.inf), ("frequency_penalty", "1"),
+    ("ignore_eos", "no"), ("stop", [""]),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_edge_values_that_are_fine_stay_fine():
+    import numpy as np
+
+    p = SamplingParams(top_k=-1, seed=2 ** 64 - 1, stop_token_ids=[np.int64(3)], max_tokens=np.int32(4),
+                       temperature=0, presence_penalty=1)
+    assert p.top_k == 0 and type(p.stop_token_ids[0]) is int and type(p.max_tokens) is int
+    assert type(p.presence_penalty) is float
+    SamplingParams(seed=-(2 ** 63))
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([1, VOCAB, 3], None, rf"prompt token 1 is {VOCAB}, outside the vocabulary of {VOCAB} tokens"),
+    ([1, -1], None, "prompt token 1 is -1, outside"),
+    ([1.0, 2.0], None, r"prompt token 0 is 1\.0: token ids must be integers"),
+    ([1, True], None, "prompt token 1 is True"),
+    ([], None, "the prompt has no tokens"),
+    ({"ids": [1]}, None, "must be a string or a list of token ids"),
+    ([1, 2], SamplingParams(stop_token_ids=[VOCAB]), rf"stop_token_ids=\[{VOCAB}\]: {VOCAB} is outside"),
+    ([1, 2], SamplingParams(logprobs=VOCAB + 1), "logprobs=129: more than the vocabulary's 128"),
+])
+def test_bad_prompts_are_refused_at_add_request(tiny, prompt, params, match):
+    llm = make_llm(tiny)
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request(prompt, params)
+    assert pool_is_empty(llm)
+
+
+def test_a_refused_prompt_aborts_the_rest_of_its_generate_and_generate_returns_only_its_own(tiny):
+    llm = make_llm(tiny, max_model_len=24)
+    ok, too_long, greedy = [5, 6, 7], list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="does not fit max_model_len=24"):
+        llm.generate([ok, too_long], greedy)
+    assert pool_is_empty(llm)  # `ok` was not left queued
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([ok, [1, 999]], greedy)
+    assert pool_is_empty(llm)
+    alone = llm.generate([ok], greedy)[0].token_ids
+    orphan = llm.engine.add_request([9, 9, 9], SamplingParams(max_tokens=2, ignore_eos=True))  # added directly
+    outs = llm.generate([ok, [8, 9]], greedy)
+    assert [o.request_id for o in outs] != [orphan] and len(outs) == 2 and outs[0].token_ids == alone
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert pool_is_empty(llm)
+
+
+def test_a_failing_step_aborts_the_generate_and_frees_its_blocks(tiny):
+    llm = make_llm(tiny)
+
+    def boom(reqs, logits):
+        raise RuntimeError("injected")
+
+    llm.engine.runner.logits_hook = boom
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=3))
+    assert pool_is_empty(llm)
+    llm.engine.runner.logits_hook = None
+    stream = llm.stream([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))
+    next(stream)
+    with pytest.raises(RuntimeError, match="already running a generate or stream of this LLM"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2))
+    stream.close()
+    assert pool_is_empty(llm)
+
+
+def test_two_threads_on_one_llm_get_their_own_results(tiny):
+    llm = make_llm(tiny)
+    prompts = [[[1 + t, 2 + t, 3 + t, 4 + i] for i in range(3)] for t in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [[o.token_ids for o in llm.generate(p, params)] for p in prompts]
+    got, errors = {}, []
+
+    def work(t):
+        try:
+            for _ in range(3):
+                outs = llm.generate(prompts[t], params)
+                got.setdefault(t, []).append([o.token_ids for o in outs])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert all(got[t] == [expected[t]] * 3 for t in range(4))
+    assert pool_is_empty(llm)
+
+
+def test_nan_logits_end_the_request_with_an_error_not_token_zero_for_ever(tiny):
+    llm = make_llm(tiny)
+    good = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+
+    def poison(reqs, logits):  # the raw logits of one request become NaN (as NaN weights would make them)
+        for i, r in enumerate(reqs):
+            if r.prompt_token_ids == [7, 8]:
+                logits[i] = math.nan
+
+    llm.engine.runner.logits_hook = poison
+    for params in (SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
+        ok, bad = llm.generate([[4, 5, 6], [7, 8]], params)
+        assert bad.finish_reason == "error" and bad.token_ids == [] and "NaN" in bad.stop_reason
+        assert ok.finish_reason == "length" and len(ok.token_ids) == params.max_tokens
+        assert params.temperature or ok.token_ids[:3] == good.token_ids  # the other request went on undisturbed
+    assert pool_is_empty(llm)
+    inf_logits = torch.zeros(2, VOCAB)
+    inf_logits[:, 7] = math.inf  # an overflow: softmax makes the sampled row NaN, argmax picks the infinity
+    from zoo.runtime.request import Request
+    reqs = [Request(str(i), [1], SamplingParams(temperature=t)) for i, t in enumerate((0.7, 0))]
+    assert llm.engine.runner.sampler(inf_logits, reqs).token_ids == [None, None]
+
+
+# -- the command line and the chat template --------------------------------------------------------------
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    from test_cli_run import save_chat_model
+
+    return save_chat_model(tmp_path_factory.mktemp("hostile-chat"))
+
+
+@pytest.mark.parametrize("template, match", [
+    (LOOPS, r"did not finish rendering within 0\.3 s"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses without end"),
+    ("{{ raise_exception('no system role') }}", "fails: TemplateError: no system role"),
+    ("{% for %}", "fails: TemplateSyntaxError"),
+])
+def test_a_hostile_chat_template_is_a_value_error_in_bounded_time(chat_dir, template, match):
+    import time
+
+    from zoo.runtime.model_files import load_tokenizer, resolve_model
+
+    llm = LLM.__new__(LLM)
+    llm.files = resolve_model(str(chat_dir))
+    llm.tokenizer = load_tokenizer(llm.files)
+    assert llm.apply_chat_template([{"role": "user", "content": "w1"}]) == [4, 7, 9, 5, 7]
+    llm.tokenizer.chat_template = template
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        llm.apply_chat_template([{"role": "user", "content": "w1"}], seconds=0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_cli_empty_prompt_and_looping_template_are_usage_errors(chat_dir, tmp_path, capsys):
+    import shutil
+    import time
+
+    from zoo.cli import main
+
+    for prompt in ("", "  \n"):
+        assert main(["run", str(chat_dir), "--prompt", prompt]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines()[-1] == "zoo run: error: the prompt is empty" and out == ""
+    looping = shutil.copytree(chat_dir, tmp_path / "looping")
+    (looping / "chat_template.jinja").write_text(LOOPS)  # where transformers saved the template
+    t0 = time.monotonic()
+    assert main(["run", str(looping), "--prompt", "w1", "--max-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert time.monotonic() - t0 < 30
+    assert "zoo run: error: the chat template of" in err and "within 2 s" in err and "Traceback" not in err
+    assert main(["run", str(looping), "--prompt", "w1", "--max-tokens", "2", "--no-chat"]) == 0  # the way out
