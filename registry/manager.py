@@ -26,6 +26,7 @@ BUILTIN_PLUGINS = (
     "plugins.olmoe",
     "plugins.llava",
     "plugins.deepseek",
+    "plugins.mamba2",
 )
 ENTRY_POINT_GROUP = "zoo"
 

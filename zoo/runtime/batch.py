@@ -14,6 +14,10 @@ block_tables[i, :ceil(seq_lens[i] / BS)].
 
 Cache storage belongs to the runtime. Each module that caches something declares a `cache_spec()`
 (what one token costs) and finds its storage in `kv_caches[module.prefix]`; it never allocates it.
+A recurrent (SSM) layer declares a `StateSpec` instead (what one request costs, whatever its length) and
+finds its state tensors `[S, *shape]` in `ssm_states[module.prefix]`; request i's row is
+`state_indices[i]`, which holds its state after its first has_initial_state[i] = False step. A slot's
+content is never trusted before that: a request that starts (or restarts after preemption) reads zeros.
 """
 from __future__ import annotations
 
@@ -42,6 +46,27 @@ class CacheSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """What one request costs in one recurrent layer: one tensor `[S, *shape]` per (name, shape, dtype).
+
+    Mamba2: ("conv", (K - 1, conv_dim)) and ("ssm", (heads, head_dim, d_state)); Mamba1: ("conv", (K - 1, I))
+    and ("ssm", (I, d_state)). The conv state keeps the last K - 1 inputs of the causal conv (vLLM's
+    layout; transformers keeps K). S slots are shared by all recurrent layers: slot s is one request.
+    """
+
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+    def bytes_per_request(self) -> int:
+        total = 0
+        for _, shape, dtype in self.tensors:
+            n = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
 class MissingCache(LookupError):
     """The batch carries caches, but none for a module that declares cache_spec()."""
 
@@ -61,12 +86,26 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)  # [B]
     # Per-family extras (left empty by families that do not need them).
     state_indices: torch.Tensor | None = None  # [B] SSM: each request's slot in the state pool
+    ssm_states: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # prefix -> [S, *shape] each
+    has_initial_state_cpu: list[bool] = field(default_factory=list)  # [B] the slot holds the state of the tokens before
+    state_indices_cpu: list[int] = field(default_factory=list)  # [B]
     mm_embeds: torch.Tensor | None = None  # [M, H] multimodal: encoder outputs to merge
     mm_positions: torch.Tensor | None = None  # [M] rows of the step that are placeholders
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def states_for(self, prefix: str) -> tuple[torch.Tensor, ...] | None:
+        """The state tensors [S, *shape] of the recurrent layer built at `prefix`; None when the batch carries
+        no states at all (whole prompts from a zero state). MissingCache when only this one is absent."""
+        if not self.ssm_states:
+            return None
+        states = self.ssm_states.get(prefix)
+        if states is None:
+            raise MissingCache(f"batch.ssm_states has no state for {prefix!r} (it has {len(self.ssm_states)} others); "
+                               f"allocate one for every module whose cache_spec() is a StateSpec")
+        return states
 
     def cache_for(self, prefix: str) -> torch.Tensor | None:
         """The cache [NB, BS, *per_token] of the module built at `prefix`; None when the batch carries no

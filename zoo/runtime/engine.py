@@ -19,6 +19,7 @@ from zoo.runtime.model_runner import ModelRunner
 from zoo.runtime.request import Request, RequestStatus
 from zoo.runtime.sampling_params import SamplingParams
 from zoo.runtime.scheduler import Scheduler
+from zoo.runtime.state_pool import StateSlots, bytes_per_request, state_specs
 
 
 NON_FINITE = "the model's logits are NaN or infinite (non-finite weights, or a config that overflows)"
@@ -88,25 +89,34 @@ class LLMEngine:
                  generation_config=None, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, num_state_slots: int | None = None):
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer
         if device is None:
             device = next(model.parameters()).device
         specs = cache_specs(model)
+        # hybrid / SSM models: a recurrent state slot per running request (max_num_seqs of them by default)
+        self.state_specs = state_specs(model)
+        num_state_slots = (num_state_slots or max_num_seqs) if self.state_specs else 0
         model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
         if num_blocks is None:
             wanted = -(-model_len * max_num_seqs // block_size)  # enough for every sequence at full length
-            num_blocks = min(wanted, num_blocks_for(specs, block_size, kv_cache_memory or DEFAULT_KV_MEMORY))
+            # (a model without attention layers has blocks that cost nothing: they only count tokens)
+            num_blocks = min(wanted, num_blocks_for(specs, block_size, kv_cache_memory or DEFAULT_KV_MEMORY)) \
+                if specs else wanted
         self.max_model_len = min(model_len, num_blocks * block_size)  # a request always fits the pool alone
         dtypes = sorted({str(s.dtype) for s in specs.values()})
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching,
-                                 namespace=f"{model_id}|{','.join(dtypes)}")
+        # prefix caching needs state snapshots at block boundaries for recurrent layers: off for them (for now)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching and not self.state_specs,
+                                 namespace=f"{model_id}|{','.join(dtypes)}",
+                                 state_slots=StateSlots(num_state_slots) if self.state_specs else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device)
+        self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device, state_specs=self.state_specs,
+                                  num_state_slots=num_state_slots)
         self.kv_bytes_per_token = bytes_per_token(specs)
+        self.state_bytes_per_request = bytes_per_request(self.state_specs)
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
         self.vocab_size = vocab_size(config)  # the logits' width: token ids at or past it are refused on arrival
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

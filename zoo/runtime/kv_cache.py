@@ -5,10 +5,13 @@ Sizing: every module with a `cache_spec()` declares what one token costs in its 
 them, so a token costs the sum of their `bytes_per_token()`, and a memory budget buys
 budget // (BS * that sum) blocks. All attention layers of a dense model share one block table.
 
+Hybrid SSM models: a recurrent layer's cache_spec() is a StateSpec (zoo/runtime/state_pool.py), not
+a CacheSpec; the manager then also holds a StateSlots and gives each request a state slot with its
+first blocks, taking it back in free(). Their prefix caching is off (a hit needs a state snapshot).
+
 Doors left open (not built): sliding-window layers could release blocks that fell out of the window
-(CacheSpec.sliding_window); hybrid SSM models need per-request state slots (a second pool keyed by
-request, passed as ForwardBatch.state_indices) and would hash blocks with their state; multimodal
-prompts add the image hashes to a block's hash (`hash_block(extra=...)`).
+(CacheSpec.sliding_window); hybrid prefix caching would hash blocks with their state snapshots;
+multimodal prompts add the image hashes to a block's hash (`hash_block(extra=...)`).
 """
 from __future__ import annotations
 
@@ -19,12 +22,18 @@ import torch
 from zoo.runtime.batch import CacheSpec
 from zoo.runtime.block_pool import BlockPool, KVBlock, hash_block
 from zoo.runtime.request import Request
+from zoo.runtime.state_pool import StateSlots
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes, when neither num_blocks nor a budget is given
 
 
 def cache_specs(model: torch.nn.Module) -> dict[str, CacheSpec]:
-    """prefix -> CacheSpec for every module of `model` that declares a cache (in module order)."""
+    """prefix -> CacheSpec for every module of `model` that declares a per-token cache (in module order)."""
+    return {p: s for p, s in declared_specs(model).items() if isinstance(s, CacheSpec)}
+
+
+def declared_specs(model: torch.nn.Module) -> dict:
+    """prefix -> whatever cache_spec() each module declares (CacheSpec, StateSpec), in module order."""
     specs = {}
     for name, module in model.named_modules():
         fn = getattr(module, "cache_spec", None)
@@ -60,8 +69,10 @@ def allocate_kv_caches(specs: dict[str, CacheSpec], num_blocks: int, block_size:
 class KVCacheManager:
     """Which blocks each request holds; prefix-cache lookups and publication; the pool's accounting."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, namespace: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, namespace: str = "",
+                 state_slots: StateSlots | None = None):
         self.block_size = block_size
+        self.state_slots = state_slots  # hybrid SSM models: one recurrent-state slot per running request
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.enable_caching = enable_caching
         self.namespace = namespace  # the model identity; each request adds its cache_salt
@@ -113,10 +124,14 @@ class KVCacheManager:
         need = math.ceil((num_computed + num_new_tokens) / self.block_size) - len(held) - len(new_computed_blocks)
         # Cache hits that nobody references sit in the free list: touching them takes them out of it.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - revived:
+        no_slot = self.state_slots is not None and not self.state_slots.has(req.request_id) \
+            and self.state_slots.num_free == 0
+        if need > self.pool.num_free_blocks - revived or no_slot:
             if not held:
                 del self.req_blocks[req.request_id]
             return False
+        if self.state_slots is not None:
+            self.state_slots.allocate(req.request_id)
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
             held.extend(new_computed_blocks)
@@ -140,6 +155,8 @@ class KVCacheManager:
         self.num_cached_blocks[req.request_id] = end
 
     def free(self, req: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(req.request_id)
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
         self.pool.release(list(reversed(blocks)))

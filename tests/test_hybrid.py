@@ -1,0 +1,190 @@
+"""Hybrid attention / SSM models (Mamba2, Bamba, Jamba) against transformers, read from disk, float32.
+
+The reference is always transformers' one-shot forward (its multi-token continuation through its own cache
+is unreliable for these models: Jamba restarts the scan from zero, Bamba restarts rotary without
+position_ids) and its greedy `generate` for the tokens. The zoo side runs through the real runtime
+(LLMEngine: scheduler, state pool, KV pool), under every schedule a test names.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from batching import assert_close, random_prompts, run_step
+from loader import LoadError
+from tiny import load_reference, save_tiny
+from zoo.build import build_model
+from zoo.runtime.engine import LLMEngine
+from zoo.runtime.sampling_params import SamplingParams
+
+CHUNK, CONV = 8, 4  # the tiny mixers' scan chunk and conv width
+STEPS = 32
+CASES = {  # name -> (architecture, overrides of tests/tiny.py's BASE, the mixer prefix of layer 0)
+    "mamba2": ("Mamba2ForCausalLM", dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=CHUNK,
+                                         expand=2, conv_kernel=CONV), "backbone.layers.0.mixer"),
+}
+PROMPT_LENGTHS = [29, 13, 6, 17]
+
+
+class Case:
+    def __init__(self, name, tmp_path_factory):
+        self.name = name
+        arch, overrides, self.mixer = CASES[name]
+        self.path = save_tiny(arch, tmp_path_factory.mktemp(name), initializer_range=0.2, **overrides)
+        self.model, self.config, self.spec, _ = build_model(self.path)
+        self.ref = load_reference(self.path)
+        self.ref.generation_config.eos_token_id = None  # STEPS tokens on both sides, whatever comes out
+        self.prompts = random_prompts(PROMPT_LENGTHS, vocab=128, seed=3)
+        self.tokens, self.logits = [], []  # transformers: greedy tokens [STEPS], one-shot logits [STEPS, V]
+        with torch.no_grad():
+            for p in self.prompts:
+                out = self.ref.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
+                                        pad_token_id=0)[0, len(p):].tolist()
+                seq = torch.tensor([p + out[:-1]])
+                self.tokens.append(out)
+                self.logits.append(self.ref(seq, position_ids=torch.arange(seq.shape[1])[None]).logits[0, len(p) - 1:])
+
+
+_cases: dict[str, Case] = {}
+
+
+def get_case(name: str, tmp_path_factory) -> Case:
+    if name not in _cases:
+        _cases[name] = Case(name, tmp_path_factory)
+    return _cases[name]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory) -> Case:
+    return get_case(request.param, tmp_path_factory)
+
+
+def generate(case: Case, prompts: list[int] | None = None, *, after_step=None, **engine_kw):
+    """Greedy STEPS tokens for case.prompts[i] (i in `prompts`), all added at once -> ({i: tokens},
+    {i: sampled logits [STEPS, V]}, engine)."""
+    engine = LLMEngine(case.model, case.config, None, **engine_kw)
+    logits: dict[str, list[torch.Tensor]] = {}
+
+    def hook(reqs, rows):
+        for r, row in zip(reqs, rows):
+            logits.setdefault(r.request_id, []).append(row.clone())
+
+    engine.runner.logits_hook = hook
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    for i in prompts if prompts is not None else range(len(case.prompts)):
+        engine.add_request(case.prompts[i], params, request_id=str(i))
+    if after_step is not None:
+        after_step(engine)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id)] = out.token_ids
+        if after_step is not None:
+            after_step(engine)
+    return tokens, {int(k): torch.stack(v) for k, v in logits.items()}, engine
+
+
+def check(case: Case, tokens, logits, what: str) -> None:
+    for i, toks in tokens.items():
+        assert_close(logits[i], case.logits[i], f"{case.name} {what}, prompt {i}: sampled logits vs one-shot")
+        assert toks == case.tokens[i], f"{case.name} {what}, prompt {i}: greedy tokens differ from transformers"
+
+
+# -- one forward, no runtime -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_ragged_prefill_matches_one_shot(case):
+    """All prompts packed in one flattened step (no state pool: whole prompts from zero state)."""
+    got = run_step(case.model, [(p, 0) for p in case.prompts], {})  # [T, V]
+    for i, (p, rows) in enumerate(zip(case.prompts, got.split([len(p) for p in case.prompts]))):
+        want = case.ref(torch.tensor([p])).logits[0]
+        assert_close(rows, want, f"{case.name} prompt {i}")
+
+
+# -- through the runtime -----------------------------------------------------------------------------------
+
+def test_alone_and_ragged_batch(case):
+    for i in range(len(case.prompts)):
+        tokens, logits, _ = generate(case, [i])
+        check(case, tokens, logits, "alone")
+    tokens, logits, _ = generate(case)
+    check(case, tokens, logits, "ragged batch")
+
+
+@pytest.mark.parametrize("budget", [CHUNK - 1, CHUNK, CHUNK + 1, CONV - 2, 1])
+def test_chunked_prefill(case, budget):
+    """A per-step token budget cuts the prompts into chunks of `budget` tokens: boundaries at chunk_size - 1,
+    chunk_size, chunk_size + 1, chunks shorter than the conv window, one-token chunks."""
+    tokens, logits, engine = generate(case, [0, 1], max_num_batched_tokens=budget)
+    assert engine.num_steps > STEPS + len(case.prompts[0]) // budget
+    check(case, tokens, logits, f"chunks of {budget}")
+
+
+def test_freed_slots_hold_nan(case):
+    """Two state slots for four requests: every slot is reused, and every free slot is filled with NaN
+    after every step (and at the start): no output may change."""
+    def poison(engine):
+        for tensors in engine.runner.ssm_states.values():
+            for t in tensors:
+                t[engine.kv.state_slots.free_slots()] = float("nan")
+
+    tokens, logits, engine = generate(case, num_state_slots=2, max_num_batched_tokens=16, after_step=poison)
+    assert len(tokens) == 4 and engine.kv.state_slots.num_free == 2
+    check(case, tokens, logits, "2 slots, NaN in free slots")
+
+
+def test_preemption_by_recompute(case):
+    """A KV pool too small for all four requests at once: requests are preempted, freed and recomputed."""
+    tokens, logits, engine = generate(case, num_blocks=14, block_size=8)
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
+    for i, toks in tokens.items():
+        assert toks == case.tokens[i], f"{case.name} prompt {i}: tokens after preemption differ"
+
+
+def test_state_spec_and_pool_bytes(case):
+    engine = LLMEngine(case.model, case.config, None, num_state_slots=3)
+    spec = engine.state_specs[case.mixer]
+    shapes = dict((name, shape) for name, shape, _ in spec.tensors)
+    assert shapes["conv"][0] == CONV - 1  # vLLM's K - 1 columns, not transformers' K
+    assert engine.state_bytes_per_request == sum(s.bytes_per_request() for s in engine.state_specs.values())
+    for tensors in engine.runner.ssm_states.values():
+        assert all(t.shape[0] == 3 for t in tensors)
+    assert not engine.kv.enable_caching  # no state snapshots yet: prefix caching is off for hybrids
+
+
+# -- the loader --------------------------------------------------------------------------------------------
+
+def _edit(case: Case, tmp_path, change):
+    import shutil
+
+    path = shutil.copytree(case.path, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("param", ["A_log", "D", "dt_bias", "conv1d.weight"])
+def test_missing_ssm_parameter_is_named(case, tmp_path, param):
+    key = f"{case.mixer}.{param}"
+    if param == "dt_bias" and case.name == "jamba":
+        key = f"{case.mixer}.dt_proj.bias"
+    path = _edit(case, tmp_path, lambda t: t.pop(key))
+    with pytest.raises(LoadError) as e:
+        build_model(path)
+    assert key in str(e.value), str(e.value)
+
+
+def test_every_tensor_is_accounted(case):
+    _, _, _, report = build_model(case.path)
+    assert report.tensors == len(load_file(case.path / "model.safetensors"))
+
+
+def test_mamba2_old_embedding_name(tmp_path, tmp_path_factory):
+    """Older Mamba2 conversions spell the embedding `backbone.embedding.weight`: it loads the same."""
+    case = get_case("mamba2", tmp_path_factory)
+    path = _edit(case, tmp_path, lambda t: t.__setitem__("backbone.embedding.weight", t.pop("backbone.embeddings.weight")))
+    model, *_ = build_model(path)
+    assert torch.equal(model.backbone.embeddings.weight, case.model.backbone.embeddings.weight)
