@@ -109,8 +109,9 @@ def test_alone_and_ragged_batch(case):
     for i in range(len(case.prompts)):
         tokens, logits, _ = generate(case, [i])
         check(case, tokens, logits, "alone")
-    tokens, logits, _ = generate(case)
-    check(case, tokens, logits, "ragged batch")
+    for caching in (False, True):  # with caching, chunks also stop at block boundaries (for the snapshots)
+        tokens, logits, _ = generate(case, enable_prefix_caching=caching)
+        check(case, tokens, logits, f"ragged batch, prefix caching {caching}")
 
 
 @pytest.mark.parametrize("budget", [CHUNK - 1, CHUNK, CHUNK + 1, CONV - 2, 1])
@@ -151,7 +152,26 @@ def test_state_spec_and_pool_bytes(case):
     assert engine.state_bytes_per_request == sum(s.bytes_per_request() for s in engine.state_specs.values())
     for tensors in engine.runner.ssm_states.values():
         assert all(t.shape[0] == 3 for t in tensors)
-    assert not engine.kv.enable_caching  # no state snapshots yet: prefix caching is off for hybrids
+
+
+def test_prefix_hit_restores_a_boundary_snapshot(case):
+    """With prefix caching, the same prompt again starts from the snapshot at its last block boundary (28 of 29
+    tokens); a prompt extended by 12 generated tokens starts from the snapshot decode took at 40. Both give
+    the cold run's logits and tokens."""
+    engine = LLMEngine(case.model, case.config, None, block_size=4)
+    logits: dict[str, list[torch.Tensor]] = {}
+    engine.runner.logits_hook = lambda reqs, rows: [logits.setdefault(r.request_id, []).append(x.clone())
+                                                   for r, x in zip(reqs, rows)]
+    prompt, cold = case.prompts[0], case.tokens[0]
+    runs = [("cold", prompt, STEPS, 0), ("again", prompt, STEPS, 28), ("extended", prompt + cold[:12], STEPS - 12, 40)]
+    for rid, tokens, max_tokens, hit in runs:
+        engine.add_request(tokens, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), request_id=rid)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        assert outs[0].num_cached_tokens == hit, f"{case.name} {rid}: hit {outs[0].num_cached_tokens}, not {hit}"
+        assert outs[0].token_ids == cold[STEPS - max_tokens:], f"{case.name} {rid}: tokens differ from the cold run"
+        assert_close(torch.stack(logits[rid]), case.logits[0][STEPS - max_tokens:], f"{case.name} {rid}: logits")
 
 
 # -- the loader --------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
     "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
     "LlavaForConditionalGeneration": save_tiny_llava,  # Llama text, CLIP features from layer -2
+    # hybrid SSM: scan chunks of 8, so the default prompts span several chunks and the chunked scenario's
+    # boundaries fall inside them
+    "Mamba2ForCausalLM": dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8, expand=2),
 }
 
 

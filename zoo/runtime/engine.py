@@ -19,7 +19,7 @@ from zoo.runtime.model_runner import ModelRunner
 from zoo.runtime.request import Request, RequestStatus
 from zoo.runtime.sampling_params import SamplingParams
 from zoo.runtime.scheduler import Scheduler
-from zoo.runtime.state_pool import StateSlots, bytes_per_request, state_specs
+from zoo.runtime.state_pool import StateSlots, StateSnapshots, bytes_per_request, state_specs
 
 
 NON_FINITE = "the model's logits are NaN or infinite (non-finite weights, or a config that overflows)"
@@ -89,7 +89,8 @@ class LLMEngine:
                  generation_config=None, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 device: torch.device | str | None = None, num_state_slots: int | None = None):
+                 device: torch.device | str | None = None, num_state_slots: int | None = None,
+                 num_state_snapshots: int | None = None):
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer
@@ -99,6 +100,9 @@ class LLMEngine:
         # hybrid / SSM models: a recurrent state slot per running request (max_num_seqs of them by default)
         self.state_specs = state_specs(model)
         num_state_slots = (num_state_slots or max_num_seqs) if self.state_specs else 0
+        # ... and, with prefix caching, as many snapshots of states at block boundaries (by default)
+        num_state_snapshots = (num_state_snapshots or num_state_slots) \
+            if self.state_specs and enable_prefix_caching else 0
         model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
         if num_blocks is None:
             wanted = -(-model_len * max_num_seqs // block_size)  # enough for every sequence at full length
@@ -107,14 +111,14 @@ class LLMEngine:
                 if specs else wanted
         self.max_model_len = min(model_len, num_blocks * block_size)  # a request always fits the pool alone
         dtypes = sorted({str(s.dtype) for s in specs.values()})
-        # prefix caching needs state snapshots at block boundaries for recurrent layers: off for them (for now)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching and not self.state_specs,
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching,
                                  namespace=f"{model_id}|{','.join(dtypes)}",
-                                 state_slots=StateSlots(num_state_slots) if self.state_specs else None)
+                                 state_slots=StateSlots(num_state_slots) if self.state_specs else None,
+                                 state_snapshots=StateSnapshots(num_state_snapshots) if num_state_snapshots else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device, state_specs=self.state_specs,
-                                  num_state_slots=num_state_slots)
+                                  num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots)
         self.kv_bytes_per_token = bytes_per_token(specs)
         self.state_bytes_per_request = bytes_per_request(self.state_specs)
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)

@@ -7,7 +7,9 @@ budget // (BS * that sum) blocks. All attention layers of a dense model share on
 
 Hybrid SSM models: a recurrent layer's cache_spec() is a StateSpec (zoo/runtime/state_pool.py), not
 a CacheSpec; the manager then also holds a StateSlots and gives each request a state slot with its
-first blocks, taking it back in free(). Their prefix caching is off (a hit needs a state snapshot).
+first blocks, taking it back in free(). Their prefix caching keeps state snapshots at block boundaries
+(StateSnapshots): a hit is the longest run of cached blocks whose last block has a snapshot, and the
+scheduler clips prefill chunks at block boundaries (`clip_to_blocks`) so that the snapshots exist.
 
 Doors left open (not built): sliding-window layers could release blocks that fell out of the window
 (CacheSpec.sliding_window); hybrid prefix caching would hash blocks with their state snapshots;
@@ -22,7 +24,7 @@ import torch
 from zoo.runtime.batch import CacheSpec
 from zoo.runtime.block_pool import BlockPool, KVBlock, hash_block
 from zoo.runtime.request import Request
-from zoo.runtime.state_pool import StateSlots
+from zoo.runtime.state_pool import StateSlots, StateSnapshots
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes, when neither num_blocks nor a budget is given
 
@@ -70,9 +72,12 @@ class KVCacheManager:
     """Which blocks each request holds; prefix-cache lookups and publication; the pool's accounting."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, namespace: str = "",
-                 state_slots: StateSlots | None = None):
+                 state_slots: StateSlots | None = None, state_snapshots: StateSnapshots | None = None):
         self.block_size = block_size
         self.state_slots = state_slots  # hybrid SSM models: one recurrent-state slot per running request
+        # ... and, with prefix caching, their states at block boundaries (prefill chunks end on boundaries)
+        self.state_snapshots = state_snapshots if enable_caching else None
+        self.clip_to_blocks = self.state_snapshots is not None
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.enable_caching = enable_caching
         self.namespace = namespace  # the model identity; each request adds its cache_salt
@@ -107,6 +112,9 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
+        if self.state_snapshots is not None:  # recurrent layers restart only where a state snapshot exists
+            while found and not self.state_snapshots.has(req.block_hashes[len(found) - 1]):
+                found.pop()
         return found, len(found) * self.block_size
 
     def record_hit(self, num_tokens: int, num_hit: int) -> None:
@@ -131,7 +139,9 @@ class KVCacheManager:
                 del self.req_blocks[req.request_id]
             return False
         if self.state_slots is not None:
-            self.state_slots.allocate(req.request_id)
+            slot = self.state_slots.allocate(req.request_id)
+            if new_computed_blocks and self.state_snapshots is not None:  # the state at the end of the hit
+                self.state_snapshots.restore(req.block_hashes[len(new_computed_blocks) - 1], slot)
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
             held.extend(new_computed_blocks)
@@ -153,6 +163,8 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache(held[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = end
+        if self.state_snapshots is not None and req.num_computed_tokens == end * self.block_size:
+            self.state_snapshots.save(req.block_hashes[end - 1], self.state_slots.slot(req.request_id))
 
     def free(self, req: Request) -> None:
         if self.state_slots is not None:

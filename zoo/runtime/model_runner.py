@@ -28,12 +28,13 @@ from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
 from zoo.runtime.request import Request
 from zoo.runtime.sampler import Sampler, SamplerOutput
 from zoo.runtime.scheduler import SchedulerOutput
-from zoo.runtime.state_pool import allocate_states
+from zoo.runtime.state_pool import allocate_states, apply_copies
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, specs: dict[str, CacheSpec], num_blocks: int, block_size: int,
-                 *, device: torch.device | str = "cpu", state_specs: dict | None = None, num_state_slots: int = 0):
+                 *, device: torch.device | str = "cpu", state_specs: dict | None = None, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
@@ -45,6 +46,8 @@ class ModelRunner:
             self.kv_caches = allocate_kv_caches(specs, num_blocks, block_size, self.device)
         # hybrid / SSM models: prefix -> the recurrent state tensors [S, *shape] (zoo/runtime/state_pool.py)
         self.ssm_states = allocate_states(state_specs, num_state_slots, self.device) if state_specs else {}
+        self.state_snapshots = allocate_states(state_specs, num_state_snapshots, self.device) \
+            if state_specs and num_state_snapshots else {}
         self.sampler = Sampler()
         # Called with (sampling requests, raw logits [N, V]) every step: parity tests and debugging.
         self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
@@ -87,6 +90,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
+        if kv.state_snapshots is not None:  # queued boundary snapshots (saves) and prefix-hit restores
+            apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)
         if self.ssm_states:  # each request's state slot; it holds a state only once tokens were computed
             batch.ssm_states = self.ssm_states
             batch.state_indices_cpu = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled]

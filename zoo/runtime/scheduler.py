@@ -9,6 +9,9 @@ short of the end does not. Requests join and leave at every step (continuous bat
 When the KV pool runs out, the most recently admitted running request is preempted by recompute: its
 blocks are freed, it goes back to the front of the waiting queue with num_computed_tokens = 0, and its
 outputs so far become part of the prefix it recomputes (prefix-cache hits make that cheap).
+
+Hybrid SSM models with prefix caching (kv.clip_to_blocks): a chunk that would cross a block boundary
+stops at the last one it reaches, so the recurrent state at that boundary exists to be snapshotted.
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._clip(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the latest admitted; never one already scheduled
                 self._preempt(victim)
@@ -111,7 +114,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
+            n = self._clip(num_hit, min(req.num_tokens - num_hit, budget))
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break
             self.waiting.popleft()
@@ -125,6 +128,13 @@ class Scheduler:
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _clip(self, computed: int, n: int) -> int:
+        """n new tokens after `computed`, cut at the last block boundary they cross (hybrids with caching)."""
+        if not self.kv.clip_to_blocks:
+            return n
+        boundary = (computed + n) // self.kv.block_size * self.kv.block_size
+        return boundary - computed if boundary > computed else n
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

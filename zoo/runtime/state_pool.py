@@ -12,6 +12,8 @@ the request (tokens computed in earlier steps), and writes it at the end of each
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from zoo.runtime.batch import StateSpec
@@ -75,3 +77,59 @@ class StateSlots:
 
     def free_slots(self) -> list[int]:
         return list(self._free)
+
+
+class StateSnapshots:
+    """Prefix caching for recurrent layers (vLLM's "align" mode): copies of a request's state taken when its
+    computed tokens end exactly on a block boundary, keyed by that block's chained hash, LRU-evicted.
+
+    A prefix hit is then a run of cached KV blocks whose last block has a snapshot: the request's slot is
+    restored from it. The scheduler clips prefill chunks at block boundaries so the boundary states exist.
+    Copies are queued here and run by the model runner before the next forward, saves first: a save
+    queued after step t reads the slot as step t left it, and a restore queued while scheduling step t + 1
+    reads a snapshot whose save is already ahead of it in the queue (so no snapshot is used by the step
+    that writes it).
+    """
+
+    def __init__(self, num_snapshots: int):
+        if num_snapshots < 1:
+            raise ValueError(f"the state snapshot store needs at least one entry (got {num_snapshots})")
+        self.num_snapshots = num_snapshots
+        self._free = list(range(num_snapshots - 1, -1, -1))
+        self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self.copies: list[tuple[str, int, int]] = []  # ("save", slot, snapshot) / ("restore", snapshot, slot)
+
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self._by_hash
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def save(self, block_hash: bytes, slot: int) -> None:
+        if block_hash in self._by_hash:
+            self._by_hash.move_to_end(block_hash)
+            return
+        snap = self._free.pop() if self._free else self._by_hash.popitem(last=False)[1]
+        self._by_hash[block_hash] = snap
+        self.copies.append(("save", slot, snap))
+
+    def restore(self, block_hash: bytes, slot: int) -> None:
+        snap = self._by_hash[block_hash]
+        self._by_hash.move_to_end(block_hash)
+        self.copies.append(("restore", snap, slot))
+
+    def drain(self) -> list[tuple[str, int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+
+def apply_copies(copies, states: dict[str, tuple[torch.Tensor, ...]],
+                 snapshots: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """Run the queued snapshot saves and restores, in order, on every recurrent layer's tensors."""
+    for kind, src, dst in copies:
+        for prefix, tensors in states.items():
+            for live, snap in zip(tensors, snapshots[prefix]):
+                if kind == "save":
+                    snap[dst].copy_(live[src])
+                else:
+                    live[dst].copy_(snap[src])
