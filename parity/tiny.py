@@ -3,11 +3,12 @@
 From a config.json (or a directory holding one) we keep everything that makes the architecture what
 it is and shrink only sizes, so parity can run in seconds before any weights are downloaded:
 
-  kept        architecture, rope type/theta/scaling, partial rotary, norms and eps, activations, biases,
+  kept        architecture, rope type/theta/scaling (longrope's factor lists resampled to the new rotary
+              dim, evenly spaced, ends kept), partial rotary, NoPE layers, norms and eps, activations, biases,
               tied embeddings, softcapping, q/k norms, top-k and routing style, shared experts, MLA
               structure (q LoRA or not), and the head_dim x heads / hidden ratio
-  layers      the first layer plus the first layer of every other kind (each layer_types entry, dense vs
-              MoE): at least 2; layer_types and the dense/MoE placement fields are rewritten to match
+  layers      the first layer plus the first layer of every other kind (each layer_types / no_rope_layers
+              entry, dense vs MoE): at least 2; those lists and the dense/MoE placement fields are rewritten
   heads       MHA stays MHA (4 heads), MQA stays MQA (1 KV head), GQA keeps its group size up to 4 with
               2 KV heads; head_dim 16 (query_pre_attn_scalar scaled with it)
   shrunk      hidden size (from the heads and the kept ratio), intermediate sizes (same ratio to
@@ -81,12 +82,17 @@ def _round8(x: float) -> int:
     return max(16, int(round(x / 8)) * 8)
 
 
+# per-layer list fields: the kept layers keep their entries, and the first layer of each distinct entry is kept
+PER_LAYER = ("layer_types", "no_rope_layers")
+
+
 def _kept_layers(d: dict) -> list[int]:
     n = d["num_hidden_layers"]
     kept = {0}
-    types = d.get("layer_types") or []
-    for t in dict.fromkeys(types):
-        kept.add(types.index(t))
+    for field in PER_LAYER:
+        values = d.get(field) or []
+        for t in dict.fromkeys(values):
+            kept.add(values.index(t))
     # MoE placement: the first dense layer and the first MoE layer
     moe = _moe_layers(d, n)
     if moe is not None:
@@ -124,8 +130,9 @@ def shrink_dict(d: dict) -> dict:
     kept = _kept_layers(d)
     moe = _moe_layers(d, n)
     d["num_hidden_layers"] = len(kept)
-    if d.get("layer_types"):
-        d["layer_types"] = [d["layer_types"][i] for i in kept]
+    for field in PER_LAYER:
+        if isinstance(d.get(field), list) and len(d[field]) == n:
+            d[field] = [d[field][i] for i in kept]
     if moe is not None:
         new_moe = [moe[i] for i in kept]
         if d.get("n_routed_experts"):
@@ -174,6 +181,7 @@ def shrink_dict(d: dict) -> dict:
         d["head_dim"] = 8  # DeepSeek's head_dim is the rotary part
     if d.get("sliding_window"):
         d["sliding_window"] = min(d["sliding_window"], MAX_WINDOW)
+    _shrink_rope_factors(d)
 
     vocab = min(d.get("vocab_size") or MAX_VOCAB, MAX_VOCAB)
     d["vocab_size"] = vocab
@@ -189,6 +197,21 @@ def shrink_dict(d: dict) -> dict:
     d.pop("torch_dtype", None)
     d.pop("quantization_config", None)
     return d
+
+
+def _shrink_rope_factors(d: dict) -> None:
+    """longrope's per-frequency factor lists follow the new rotary dim: evenly spaced entries of the old list,
+    first and last kept (so short and long lists shrink alike)."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    tables = [d.get("rope_scaling"), d.get("rope_parameters")]
+    tables += [v for t in list(tables) if isinstance(t, dict) for v in t.values() if isinstance(v, dict)]
+    for params in (t for t in tables if isinstance(t, dict)):
+        rotary = int(head_dim * params.get("partial_rotary_factor", d.get("partial_rotary_factor") or 1.0))
+        m = rotary // 2
+        for key in ("short_factor", "long_factor"):
+            old = params.get(key)
+            if isinstance(old, list) and len(old) != m and old:
+                params[key] = [old[round(i * (len(old) - 1) / max(m - 1, 1))] for i in range(m)]
 
 
 def shrink_config(config) -> transformers.PretrainedConfig:

@@ -27,13 +27,13 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, layer_idx: int, *, prefix: str):
         super().__init__(config, layer_idx, prefix=prefix)
         # diff with Llama: the MLP is normed on its way in and out, as attention is
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = self.make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = self.make_norm(config, config.hidden_size)
 
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Llama: q/k norms, scores scaled by query_pre_attn_scalar^-0.5. attn_logit_softcapping
         # is read but not applied by transformers' Gemma3 (Gemma2 applies it); released configs set it null.
-        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": config.rms_norm_eps,
+        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": self.norm_eps(config),
                 "scale": config.query_pre_attn_scalar ** -0.5}
 
     def make_mlp(self, config, layer_idx: int, prefix: str):

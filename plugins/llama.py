@@ -8,12 +8,17 @@ Shape legend:
 Leaf modules take explicit keyword arguments; only the decoder layer, the model and the LM read the
 config. Module names are checkpoint names, so parameter names are checkpoint keys after LLAMA_RULES.
 
-Subclassing (Mistral, Qwen2, Qwen3, Gemma3 here; MoE plugins reuse the attention and the layer):
+Subclassing (every built-in dense plugin, and the MoE ones, which reuse the attention and the layer; the
+plugin author's guide, docs/plugins.md, lists each hook with the plugin that uses it):
+    norm_class, norm_eps(config), make_norm(config, dim)            (layer and model) which norm, which eps
+    LlamaAttention.norm_class, make_qk_norms(eps), norm_qk(q, k)    the optional q/k norms and how they apply
     LlamaDecoderLayer.attention_kwargs(config, layer_idx) -> dict   what the attention is built with
     LlamaDecoderLayer.make_mlp(config, layer_idx, prefix)           the feed-forward (a MoE block, ...)
-    LlamaDecoderLayer.attention_class / norm_class                  classes used by the layer
-    LlamaModel.layer_class / norm_class, LlamaModel.embed_scale(config), LlamaModel.embed(ids, batch)
-    LlamaForCausalLM.model_class
+    LlamaDecoderLayer.make_norms(config)                            the layer's norms (names are checkpoint names)
+    LlamaDecoderLayer.attention_class                               class used by the layer
+    LlamaModel.layer_class, LlamaModel.embed_scale(config), LlamaModel.embed(ids, batch)
+    LlamaForCausalLM.model_class, LlamaForCausalLM.make_head(config)
+A layer built with `rope=None` has no positional encoding (SmolLM3's NoPE layers).
 """
 from __future__ import annotations
 
@@ -39,11 +44,22 @@ LLAMA_RULES = Rules(
 )
 
 
+class NormHooks:
+    """Which norm a layer or model builds, and from which config field its eps comes."""
+    norm_class = RMSNorm
+
+    def norm_eps(self, config) -> float:
+        return config.rms_norm_eps
+
+    def make_norm(self, config, dim: int) -> nn.Module:
+        return self.norm_class(dim, eps=self.norm_eps(config))
+
+
 class LlamaAttention(nn.Module):
     norm_class = RMSNorm  # of the optional q/k norms
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope: RotaryEmbedding, scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
+                 rope: RotaryEmbedding | None, scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm_eps: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
                  prefix: str):
         super().__init__()
@@ -52,13 +68,23 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(hidden_size, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   bias=qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
-        if qk_norm_eps is not None:  # per-head norms on the head dim, before the rotation
-            self.q_norm = self.norm_class(head_dim, eps=qk_norm_eps)
-            self.k_norm = self.norm_class(head_dim, eps=qk_norm_eps)
-        self.rotary_emb = rope  # a shared plain object, not a submodule
+        if qk_norm_eps is not None:
+            self.make_qk_norms(qk_norm_eps)
+        self.rotary_emb = rope  # a shared plain object, not a submodule; None: no positional encoding
         self.attn = Attention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
                               softcap=softcap, prefix=f"{prefix}.attn")
+
+    def make_qk_norms(self, eps: float) -> None:
+        """q_norm, k_norm: per-head norms on the head dim (Qwen3, Gemma3), applied before the rotation."""
+        self.q_norm = self.norm_class(self.head_dim, eps=eps)
+        self.k_norm = self.norm_class(self.head_dim, eps=eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, KV, D] normed (when the attention has q/k norms), same shapes."""
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def cache_spec(self) -> CacheSpec:
         """One token of this layer's cache: (2, KV, D) in the weights' dtype; keyed by `self.prefix`."""
@@ -69,24 +95,27 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k, batch)
+        q, k = self.norm_qk(q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k, batch)
         o = self.attn(q, k, v, batch.cache_for(self.prefix), batch)  # [T, Hq*D]; cache [NB, BS, 2, KV, D]
         return self.o_proj(o)  # [T, H]
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(NormHooks, nn.Module):
     attention_class = LlamaAttention
-    norm_class = RMSNorm
 
     def __init__(self, config, layer_idx: int, *, prefix: str):
         super().__init__()
         self.prefix, self.layer_idx = prefix, layer_idx
         self.self_attn = self.attention_class(**self.attention_kwargs(config, layer_idx), prefix=f"{prefix}.self_attn")
         self.mlp = self.make_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
-        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.make_norms(config)
+
+    def make_norms(self, config) -> None:
+        """The norms before attention and before the MLP."""
+        self.input_layernorm = self.make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = self.make_norm(config, config.hidden_size)
 
     def layer_type(self, config, layer_idx: int) -> str:
         types = getattr(config, "layer_types", None)
@@ -119,9 +148,8 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states + h
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(NormHooks, nn.Module):
     layer_class = LlamaDecoderLayer
-    norm_class = RMSNorm
 
     def __init__(self, config, *, prefix: str = "model"):
         super().__init__()
@@ -129,7 +157,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=self.embed_scale(config))
         self.layers = nn.ModuleList(self.layer_class(config, i, prefix=f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = self.make_norm(config, config.hidden_size)
 
     def embed_scale(self, config) -> float | None:
         return None
@@ -151,9 +179,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, prefix=f"{prefix}.model" if prefix else "model")
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = self.make_head(config)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter under two names
+
+    def make_head(self, config) -> LMHead:
+        return LMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)  # [T] -> [T, H]

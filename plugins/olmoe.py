@@ -40,7 +40,7 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
 
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Llama: whole-width q/k norms and clipping (see OlmoeAttention)
-        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": config.rms_norm_eps,
+        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": self.norm_eps(config),
                 "clip_qkv": config.clip_qkv}
 
     def make_mlp(self, config, layer_idx: int, prefix: str):

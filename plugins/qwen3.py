@@ -11,7 +11,7 @@ from registry import ArchSpec, hookimpl
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Llama: q_norm / k_norm on the head dim
-        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": config.rms_norm_eps}
+        return {**super().attention_kwargs(config, layer_idx), "qk_norm_eps": self.norm_eps(config)}
 
 
 class Qwen3Model(LlamaModel):

@@ -27,6 +27,14 @@ BUILTIN_PLUGINS = (
     "plugins.llava",
     "plugins.deepseek",
     "plugins.mamba2",
+    # issue 16's architectures (docs/plugins.md: each through the hook a third party uses)
+    "plugins.gemma",
+    "plugins.gemma2",
+    "plugins.phi3",
+    "plugins.olmo2",
+    "plugins.granite",
+    "plugins.smollm3",
+    "plugins.starcoder2",
 )
 ENTRY_POINT_GROUP = "zoo"
 

@@ -210,8 +210,8 @@ def test_bfloat16_runs_close_to_reference(tmp_path):
 
 
 def test_unsupported_config_names_the_field(tmp_path):
-    path = save_tiny("LlamaForCausalLM", tmp_path, hidden_act="gelu_new")
-    with pytest.raises(ValueError, match="hidden_act='gelu_new'"):
+    path = save_tiny("LlamaForCausalLM", tmp_path, hidden_act="quick_gelu")
+    with pytest.raises(ValueError, match="hidden_act='quick_gelu'"):
         build_model(path)
 
 

@@ -39,6 +39,21 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     # hybrid SSM: scan chunks of 8, so the default prompts span several chunks and the chunked scenario's
     # boundaries fall inside them
     "Mamba2ForCausalLM": dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8, expand=2),
+    # issue 16's architectures (tests/test_architectures.py: greedy equality, --tiny on their real configs)
+    "GemmaForCausalLM": dict(head_dim=16, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "Gemma2ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]),
+    # longrope past its trained length depends on the schedule (transformers switches a whole padded batch, and
+    # a whole prompt, at once): the parity prompts stay under it; test_longrope_past_the_trained_length crosses it
+    "Phi3ForCausalLM": dict(sliding_window=6, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                            rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                 short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.5, 2.0, 3.0, 4.5])),
+    "Olmo2ForCausalLM": dict(),
+    "GraniteForCausalLM": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                               logits_scaling=4.0),
+    "SmolLM3ForCausalLM": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=False),
+    "Starcoder2ForCausalLM": dict(sliding_window=6, norm_epsilon=1e-5, use_bias=True,
+                                  hidden_act="gelu_pytorch_tanh"),
 }
 
 

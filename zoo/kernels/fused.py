@@ -37,7 +37,7 @@ from zoo.layers.rotary import RotaryEmbedding
 _FORWARDS = {
     "model": ("LlamaForCausalLM.forward", "LlamaForCausalLM.compute_logits"),
     "model.model": ("LlamaModel.forward", "LlamaModel.embed"),
-    "attention": ("LlamaAttention.forward",),
+    "attention": ("LlamaAttention.forward", "LlamaAttention.norm_qk"),
 }
 _PLUGIN = "plugins.llama"
 # the decoder layers' forward methods it knows: (qualified name, module) -> kind
@@ -95,7 +95,8 @@ class FusedDecoder:
         if not (_own_forwards(model, _FORWARDS["model"]) and _own_forwards(inner, _FORWARDS["model.model"])):
             return None
         embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
-        if not (type(embed) is VocabEmbedding and type(head) is LMHead and head.softcap is None):
+        if not (type(embed) is VocabEmbedding and type(head) is LMHead
+                and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return None
         layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
         for layer in inner.layers:

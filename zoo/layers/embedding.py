@@ -36,21 +36,30 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """logits = hidden W^T, weight [V, H]; `softcap` applies tanh capping (Gemma's final_logit_softcapping)."""
+    """logits = hidden W^T (+ b), weight [V, H]; `scale` multiplies the logits (Cohere's logit_scale), `divisor`
+    divides them (Granite's logits_scaling), `softcap` applies tanh capping (Gemma's final_logit_softcapping)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, softcap: float | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, *, softcap: float | None = None, bias: bool = False,
+                 scale: float | None = None, divisor: float | None = None):
         super().__init__()
         self.vocab_size, self.hidden_size, self.softcap = vocab_size, hidden_size, softcap
+        self.scale, self.divisor = scale, divisor
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
+        self.bias = nn.Parameter(torch.empty(vocab_size)) if bias else None  # [V] (Phi's head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if kernels.fast(hidden, self.weight):
-            logits = kernels.linear(hidden, self.weight)  # [N, H] -> [N, V]
+            logits = kernels.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
         else:
-            logits = F.linear(hidden, self.weight)  # [N, H] -> [N, V]
+            logits = F.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     def extra_repr(self) -> str:
-        return f"{self.vocab_size}, {self.hidden_size}, softcap={self.softcap}"
+        return (f"{self.vocab_size}, {self.hidden_size}, softcap={self.softcap}, bias={self.bias is not None}, "
+                f"scale={self.scale}, divisor={self.divisor}")

@@ -1,7 +1,13 @@
-"""RMS normalisation over the last dim, in float32, as transformers computes it.
+"""Norms over the last dim, in float32, as transformers computes them.
 
 Shape legend:
     ... = any leading dims (T tokens, or T x heads for q/k norm)    D = normalised dim
+
+    RMSNorm           w * rms(x), rms(x) cast to x's dtype before the weight (Llama)
+    RMSNormF32Weight  (w * rms(x)) in float32, cast after the weight (OLMo-2)
+    GemmaRMSNorm      rms(x) * (1 + w) in float32 (Gemma; the checkpoint stores w - 1)
+    LayerNorm         (x - mean) / std * w (+ b), with or without a bias; a weight of shape (n, D) holds one
+                      row per head (Cohere's per-head q/k norms), still normalising over D only
 
 Fast path (float32, CPU, no autograd): `zoo.kernels.rms_norm`, one pass per row; the mean of squares is
 summed in another order than torch's, so results agree to float32 rounding, not bit for bit.
@@ -9,6 +15,7 @@ summed in another order than torch's, so results agree to float32 rounding, not 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
@@ -44,3 +51,37 @@ class GemmaRMSNorm(RMSNorm):
         if kernels.fast(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps, gemma=True)  # [..., D]
         return (_rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)  # [..., D]
+
+
+class RMSNormF32Weight(RMSNorm):
+    """OLMo-2's norm: `(w * rms(x))` in float32, cast to x's dtype after the weight."""
+
+    # diff with Llama: the weight multiplies the float32 rms (equal to RMSNorm's result in float32)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.float32 and kernels.fast(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)  # [..., D]
+        return (self.weight.float() * _rms(x, self.eps)).to(x.dtype)  # [..., D]
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim D in float32, cast back; weight of `shape` (D, or (n, D): one row per head),
+    an optional bias of the same shape."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, *, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(shape))  # [D] or [n, D]
+        self.bias = nn.Parameter(torch.empty(shape)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.weight.shape[-1]
+        if self.weight.dim() == 1:
+            w, b = self.weight.float(), None if self.bias is None else self.bias.float()
+            return F.layer_norm(x.float(), (d,), w, b, self.eps).to(x.dtype)  # [..., D]
+        y = F.layer_norm(x.float(), (d,), eps=self.eps) * self.weight.float()  # [..., n, D]
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"

@@ -1,0 +1,49 @@
+"""The published config.json of a real checkpoint of each architecture of issue 16 (the fields that matter,
+as published), for `zoo parity --tiny` in tests/test_architectures.py; their tiny configs are in
+tests/tiny_configs.py."""
+from __future__ import annotations
+
+# Phi-3-mini-128k-instruct's rope_scaling has 48 short and 48 long factors (head_dim 96); these keep the file's
+# lengths and its rising shape (short ~1 -> ~2, long ~1 -> ~65), not its exact digits
+PHI3_SHORT = [round(1.0 + 0.02 * i ** 1.2, 4) for i in range(48)]
+PHI3_LONG = [round(1.0 + 64.0 * (i / 47) ** 3, 4) for i in range(48)]
+# architecture -> the published config.json of a real checkpoint of it (the fields that matter, as published)
+REAL_CONFIGS = {
+    "GemmaForCausalLM": dict(  # google/gemma-2b
+        model_type="gemma", head_dim=256, hidden_act="gelu", hidden_size=2048, intermediate_size=16384,
+        max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=18, num_key_value_heads=1,
+        rms_norm_eps=1e-06, rope_theta=10000.0, vocab_size=256000, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "Gemma2ForCausalLM": dict(  # google/gemma-2-2b
+        model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0, head_dim=256,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", hidden_size=2304,
+        intermediate_size=9216, max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=26,
+        num_key_value_heads=4, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0,
+        sliding_window=4096, vocab_size=256000, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "Phi3ForCausalLM": dict(  # microsoft/Phi-3-mini-128k-instruct
+        model_type="phi3", hidden_act="silu", hidden_size=3072, intermediate_size=8192,
+        max_position_embeddings=131072, num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=32,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-05, rope_theta=10000.0, sliding_window=262144,
+        rope_scaling=dict(type="longrope", short_factor=PHI3_SHORT, long_factor=PHI3_LONG),
+        tie_word_embeddings=False, vocab_size=32064, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+    "Olmo2ForCausalLM": dict(  # allenai/OLMo-2-0425-1B
+        model_type="olmo2", hidden_act="silu", hidden_size=2048, intermediate_size=8192, max_position_embeddings=4096,
+        num_attention_heads=16, num_hidden_layers=16, num_key_value_heads=16, rms_norm_eps=1e-06, rope_theta=500000,
+        tie_word_embeddings=False, vocab_size=100352, eos_token_id=100257, pad_token_id=100277),
+    "GraniteForCausalLM": dict(  # ibm-granite/granite-3.0-2b-instruct
+        model_type="granite", attention_multiplier=0.015625, embedding_multiplier=12.0, hidden_act="silu",
+        hidden_size=2048, intermediate_size=8192, logits_scaling=8.0, max_position_embeddings=4096,
+        num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8, residual_multiplier=0.22,
+        rms_norm_eps=1e-05, rope_theta=10000.0, tie_word_embeddings=True, vocab_size=49155, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0),
+    "SmolLM3ForCausalLM": dict(  # HuggingFaceTB/SmolLM3-3B: every fourth layer NoPE
+        model_type="smollm3", hidden_act="silu", hidden_size=2048, intermediate_size=11008,
+        max_position_embeddings=65536, num_attention_heads=16, num_hidden_layers=36, num_key_value_heads=4,
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], rms_norm_eps=1e-06, rope_theta=5000000.0,
+        use_sliding_window=False, sliding_window=None, tie_word_embeddings=True, vocab_size=128256,
+        eos_token_id=128012, pad_token_id=128004),
+    "Starcoder2ForCausalLM": dict(  # bigcode/starcoder2-3b
+        model_type="starcoder2", hidden_act="gelu_pytorch_tanh", hidden_size=3072, intermediate_size=12288,
+        max_position_embeddings=16384, norm_epsilon=1e-05, num_attention_heads=24, num_hidden_layers=30,
+        num_key_value_heads=2, rope_theta=999999.4420358813, sliding_window=4096, use_bias=True, vocab_size=49152,
+        bos_token_id=0, eos_token_id=0),
+}

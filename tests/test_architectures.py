@@ -1,0 +1,90 @@
+"""The architectures of issue 16, one parametrised module, on their tiny checkpoints of tests/tiny_configs.py
+(saved by transformers, every parameter random: norm weights and biases too; tests/test_parity_registry.py runs
+every parity scenario on them): each generates transformers' greedy tokens, and `zoo parity --tiny` works on
+each one's real config.json (tests/arch_configs.py holds their values: nothing downloads).
+
+Each checkpoint is built once per session and shared by the tests of its architecture.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from arch_configs import PHI3_LONG, PHI3_SHORT, REAL_CONFIGS
+from parity.harness import run_parity
+from parity.tiny import save_tiny_checkpoint
+from tiny import load_reference, save_tiny
+from tiny_configs import TINY_CONFIGS, WIDE, save_arch
+from zoo.build import build_model
+from zoo.runtime.engine import LLMEngine
+from zoo.runtime.sampling_params import SamplingParams
+
+ISSUE16 = list(REAL_CONFIGS)
+PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 12, 64, 31, 9, 100, 23, 54], [11, 22, 33, 44, 55], [7, 3, 120]]
+STEPS = 12
+_built: dict[str, tuple] = {}
+
+
+@pytest.fixture(params=ISSUE16)
+def built(request, tmp_path_factory):
+    """(architecture, checkpoint dir, zoo model, transformers model), built once per session."""
+    arch = request.param
+    if arch not in _built:
+        path = save_arch(arch, tmp_path_factory.mktemp(arch))
+        zoo_model, _, spec, _ = build_model(path)
+        assert spec.architectures == (arch,) and spec.plugin.startswith("plugins.")
+        _built[arch] = (arch, path, zoo_model, load_reference(path))
+    return _built[arch]
+
+
+def test_greedy_tokens_equal_transformers(built):
+    arch, _, model, ref = built
+    greedy_equal(arch, model, ref, PROMPTS)
+
+
+def greedy_equal(arch, model, ref, prompts):
+    """The runtime's greedy tokens (the prompts batched, paged, block size 4) equal transformers' generate."""
+    ref.generation_config.eos_token_id = None
+    engine = LLMEngine(model, model.config, block_size=4)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, prompt in zip(ids, prompts):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+        assert done[rid].token_ids == want[0, len(prompt):].tolist(), f"{arch} prompt {prompt}"
+
+
+@pytest.mark.parametrize("arch", list(REAL_CONFIGS))
+def test_tiny_from_the_real_config(arch, tmp_path):
+    """`zoo parity --tiny` on the published config.json: shrunk (longrope factors and NoPE layers too), built,
+    passing."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text(json.dumps({"architectures": [arch], **REAL_CONFIGS[arch]}))
+    path = save_tiny_checkpoint(tmp_path / "full", tmp_path / "tiny")
+    config = json.loads((path / "config.json").read_text())
+    if arch == "SmolLM3ForCausalLM":
+        assert 0 in config["no_rope_layers"] and len(config["no_rope_layers"]) == config["num_hidden_layers"]
+    if arch == "Phi3ForCausalLM":
+        rope = config["rope_parameters"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        assert len(rope["short_factor"]) == len(rope["long_factor"]) == head_dim // 2
+        assert rope["long_factor"][-1] == PHI3_LONG[-1] and rope["short_factor"][0] == PHI3_SHORT[0]
+    result = run_parity(path, scenarios=("prefill", "decode"))
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
+
+
+def test_longrope_past_the_trained_length(tmp_path):
+    """Phi-3's long factors rotate every token of a request longer than original_max_position_embeddings (16
+    here): prompts past it from the start generate transformers' greedy tokens. (A request that crosses it while
+    decoding keeps its cached short-factor keys, as in vLLM; transformers' generate recomputes the cache there.)"""
+    save_tiny("Phi3ForCausalLM", tmp_path, seed=1, randomize=True,
+              **{**WIDE, **TINY_CONFIGS["Phi3ForCausalLM"], "original_max_position_embeddings": 16})
+    zoo_model, *_ = build_model(tmp_path)
+    rope = zoo_model.model.layers[0].self_attn.rotary_emb
+    assert rope.grows_past == 16 and not rope.native
+    prompts = [list(range(3, 23)), [9] + PROMPTS[0] + [1, 2]]  # 20 and 17 tokens
+    greedy_equal("Phi3ForCausalLM", zoo_model, load_reference(tmp_path), prompts)
