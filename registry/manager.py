@@ -27,6 +27,8 @@ BUILTIN_PLUGINS = (
     "plugins.llava",
     "plugins.deepseek",
     "plugins.mamba2",
+    "plugins.bamba",
+    "plugins.jamba",
     # issue 16's architectures (docs/plugins.md: each through the hook a third party uses)
     "plugins.gemma",
     "plugins.gemma2",

@@ -39,6 +39,10 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     # hybrid SSM: scan chunks of 8, so the default prompts span several chunks and the chunked scenario's
     # boundaries fall inside them
     "Mamba2ForCausalLM": dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8, expand=2),
+    "BambaForCausalLM": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
+                             mamba_n_groups=2, mamba_chunk_size=8),  # rotary on half of each head
+    "JambaForCausalLM": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                             expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8),
     # issue 16's architectures (tests/test_architectures.py: greedy equality, --tiny on their real configs)
     "GemmaForCausalLM": dict(head_dim=16, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
     "Gemma2ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=2.0,
