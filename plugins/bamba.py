@@ -45,8 +45,8 @@ class HybridDecoderLayer(LlamaDecoderLayer):
         else:
             raise ValueError(f"{prefix}: layer type {self.kind!r} is neither 'full_attention' nor 'linear_attention'")
         self.feed_forward = self.make_mlp(config, layer_idx, prefix=f"{prefix}.feed_forward")
-        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.pre_ff_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = self.make_norm(config, config.hidden_size)
+        self.pre_ff_layernorm = self.make_norm(config, config.hidden_size)
 
     def make_mixer(self, config, layer_idx: int, prefix: str) -> nn.Module:
         return mamba2_mixer(config, prefix=prefix, heads="mamba_n_heads", head_dim="mamba_d_head",

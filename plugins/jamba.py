@@ -13,8 +13,6 @@ D, dt_layernorm, b_layernorm, c_layernorm, out_proj}`, `feed_forward.router.weig
 """
 from __future__ import annotations
 
-import torch
-
 from loader.rules import Rename, Rules
 from plugins.bamba import HybridDecoderLayer, HybridForCausalLM, HybridModel
 from plugins.llama import LLAMA_RULES, num_kv_heads_of
@@ -26,19 +24,12 @@ from zoo.layers.moe import SparseMoeBlock
 JAMBA_RULES = LLAMA_RULES + Rules(renames=(Rename(".feed_forward.router.", ".feed_forward.gate."),)) + MOE_RULES
 
 
-class NoRotary:
-    """Jamba's attention has no position encoding: q and k pass through."""
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch=None):
-        return q, k
-
-
 class JambaDecoderLayer(HybridDecoderLayer):
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Llama: no rotary, no biases, head_dim = hidden / heads
         head_dim = config.hidden_size // config.num_attention_heads
         return dict(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-                    num_kv_heads=num_kv_heads_of(config), head_dim=head_dim, rope=NoRotary())
+                    num_kv_heads=num_kv_heads_of(config), head_dim=head_dim, rope=None)
 
     def make_mixer(self, config, layer_idx: int, prefix: str):
         # diff with Bamba: Mamba1's selective scan, with RMS norms on dt, B and C
