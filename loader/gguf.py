@@ -4,17 +4,32 @@ Shapes: GGUF lists dims fastest-first, so a GGUF [in, out] is the torch [out, in
 the `gguf` package are already in torch order. llama.cpp's converter permutes the rows of q_proj/k_proj
 within each head, (half, 2) -> (2, half) read as rows, so that rotary pairs sit side by side; we undo it
 for the Llama architecture, with the head counts from the file's metadata.
+
+A GGUF file is untrusted input: check_header() walks its whole header (magic, version, every metadata
+value, every tensor's dims, type and data range) with bounds checks before the `gguf` package (or
+transformers, which converts the config from it) parses anything, so a malformed file is one SourceError
+naming the file and the key, never a struct.error, a reshape error or a huge allocation.
 """
 from __future__ import annotations
 
+import math
+import mmap
+import os
 import re
+import struct
 from pathlib import Path
 
 import torch
 
 from loader.problems import SourceError
 from loader.rules import Ignore, Rules
-from loader.sources import Source, TensorInfo
+from loader.sources import Source, TensorInfo, _open_regular, _say
+
+VERSIONS = (2, 3)  # v1 (32-bit counts) is not read
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 8  # arrays of arrays, at most this deep
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
 
 # GGUF name (after `blk.{i}.`) -> Hugging Face name (after `model.layers.{i}.`)
 LAYER_NAMES = {
@@ -27,6 +42,157 @@ PERMUTED_ARCHS = ("llama",)  # architectures whose converter permutes q/k rows
 # Tensors llama.cpp adds that a HF model computes itself; plan() and load() add these rules to a model's.
 GGUF_RULES = Rules(ignores=(Ignore(r"^rope_freqs\.weight$", "llama.cpp's rope frequency factors; "
                                                               "the model computes them from the config"),))
+
+
+def supported_types() -> dict[int, tuple[int, int]]:
+    """GGML tensor type -> (block elements, block bytes) for the types GGUFSource can read (plain floats and
+    the quantisations the gguf package dequantises)."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    readable = {q.F32, q.F16, q.BF16} | set(gguf.quants._type_traits)
+    return {int(t): gguf.GGML_QUANT_SIZES[t] for t in readable if t in gguf.GGML_QUANT_SIZES}
+
+
+class _Reader:
+    """Bounds-checked little-endian reads from a byte buffer; running out is a SourceError, not struct.error."""
+
+    def __init__(self, buf, name: str):
+        self.buf, self.pos, self.name = buf, 0, name
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def skip(self, n: int, what: str) -> int:
+        if n > self.left():
+            raise SourceError([], f"{self.name}: truncated GGUF file: it ends inside {what}")
+        self.pos += n
+        return self.pos - n
+
+    def unpack(self, fmt: str, what: str):
+        return struct.unpack_from(fmt, self.buf, self.skip(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str, text: bool = True) -> str | None:
+        n = self.unpack("<Q", what)
+        if n > self.left():
+            raise SourceError([], f"{self.name}: {what} claims a string of {n} bytes, more than the {self.left()} "
+                                  f"left in the file")
+        at = self.skip(n, what)
+        if not text:
+            return None
+        try:
+            return bytes(self.buf[at:at + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SourceError([], f"{self.name}: {what} is not UTF-8 text") from None
+
+    def value(self, kind: int, what: str, depth: int = 0):
+        """Skip (or, for the scalars and strings the header needs, return) one metadata value."""
+        if kind in SCALARS:
+            return self.unpack(SCALARS[kind], what)
+        if kind == STRING:
+            return self.string(what, text=False)
+        if kind != ARRAY:
+            raise SourceError([], f"{self.name}: {what} has value type {kind}, which GGUF does not define")
+        if depth >= MAX_NESTING:
+            raise SourceError([], f"{self.name}: {what} nests arrays more than {MAX_NESTING} deep")
+        item, count = self.unpack("<I", what), self.unpack("<Q", what)
+        least = struct.calcsize(SCALARS[item]) if item in SCALARS else 8 if item == STRING else 12
+        if count * least > self.left():
+            raise SourceError([], f"{self.name}: {what} claims {count} array items, more than the {self.left()} "
+                                  f"bytes left in the file can hold")
+        if item in SCALARS:
+            self.skip(count * least, what)
+        else:
+            for _ in range(count):
+                self.value(item, what, depth + 1)
+        return None
+
+
+def check_header(path: Path, name: str | None = None) -> None:
+    """Refuse (SourceError naming the file and the key) a GGUF file whose header is malformed or lies: bad
+    magic, an unsupported version, counts, strings or arrays larger than the file, unknown value or tensor
+    types, more than 4 dims, duplicate keys or tensor names, tensor data outside the file or overlapping.
+    Reads only the header pages; allocates nothing in proportion to what the header claims."""
+    name = name or Path(path).name
+    fd = _open_regular(Path(path), name)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 24:
+            raise SourceError([], f"{name}: not a GGUF file ({size} bytes, shorter than a GGUF header)")
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as buf:
+            _check(_Reader(buf, name), size)
+    finally:
+        os.close(fd)
+
+
+def _check(r: _Reader, size: int) -> None:
+    name = r.name
+    if bytes(r.buf[:4]) != b"GGUF":
+        raise SourceError([], f"{name}: not a GGUF file (its first bytes are not the GGUF magic)")
+    r.pos = 4
+    version = r.unpack("<I", "the version")
+    if version & 0xFFFF == 0 and version:
+        raise SourceError([], f"{name}: a big-endian GGUF file, which is not supported")
+    if version not in VERSIONS:
+        raise SourceError([], f"{name}: GGUF version {version} is not supported (versions {VERSIONS})")
+    n_tensors, n_kv = r.unpack("<Q", "the tensor count"), r.unpack("<Q", "the metadata count")
+    if n_kv * 12 > r.left() or n_tensors * 24 > r.left():
+        raise SourceError([], f"{name}: the header claims {n_tensors} tensors and {n_kv} metadata entries, more "
+                              f"than its {size} bytes can describe")
+    keys, alignment = set(), 32
+    for i in range(n_kv):
+        key = r.string(f"metadata key {i}")
+        if key in keys:
+            raise SourceError([], f"{name}: metadata key {_say(key)} appears twice")
+        keys.add(key)
+        kind = r.unpack("<I", f"metadata {_say(key)}")
+        v = r.value(kind, f"metadata {_say(key)}")
+        if key == "general.alignment":
+            if kind != 4 or not v or v & (v - 1):
+                raise SourceError([], f"{name}: metadata general.alignment must be a uint32 power of two")
+            alignment = v
+    types = supported_types()
+    tensors, names = [], set()
+    for i in range(n_tensors):
+        t = r.string(f"the name of tensor {i}")
+        if t in names:
+            raise SourceError([], f"{name}: tensor {_say(t)} appears twice")
+        names.add(t)
+        n_dims = r.unpack("<I", f"tensor {_say(t)}")
+        if n_dims > MAX_DIMS:
+            raise SourceError([], f"{name}: tensor {_say(t)} has {n_dims} dims (GGUF allows at most {MAX_DIMS})")
+        dims = [r.unpack("<Q", f"tensor {_say(t)}") for _ in range(n_dims)]
+        kind, offset = r.unpack("<I", f"tensor {_say(t)}"), r.unpack("<Q", f"tensor {_say(t)}")
+        if kind not in types:
+            raise SourceError([], f"{name}: tensor {_say(t)} has GGML type {kind}, which the loader cannot read "
+                                  f"(readable: {', '.join(_type_name(k) for k in sorted(types))})")
+        block, block_bytes = types[kind]
+        n = math.prod(dims)
+        if dims and dims[0] % block:
+            raise SourceError([], f"{name}: tensor {_say(t)} has {dims[0]} elements per row, not a multiple of its "
+                                  f"{_type_name(kind)} block of {block}")
+        if offset % alignment:
+            raise SourceError([], f"{name}: tensor {_say(t)}'s data offset {offset} is not a multiple of the "
+                                  f"alignment {alignment}")
+        tensors.append((offset, offset + n // block * block_bytes, t))
+    data = r.pos + (-r.pos) % alignment
+    prev_end, prev = 0, None
+    for begin, end, t in sorted(tensors):
+        if data + end > size:
+            raise SourceError([], f"{name}: tensor {_say(t)}'s data (bytes {data + begin}:{data + end}) runs past "
+                                  f"the end of the file ({size} bytes): truncated, or a lying header")
+        if begin < prev_end:
+            raise SourceError([], f"{name}: tensor {_say(t)}'s data overlaps that of {_say(prev)}")
+        prev_end, prev = end, t
+
+
+def _type_name(kind: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(kind).name
+    except ValueError:
+        return str(kind)
 
 
 def hf_name(name: str) -> str:
@@ -55,10 +221,11 @@ class GGUFSource(Source):
         super().__init__(path.parent, [path])
         self._gguf = gguf
         self.rules = GGUF_RULES
+        check_header(path)
         try:
             self.reader = gguf.GGUFReader(path)
-        except Exception as e:
-            raise SourceError([], f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+        except Exception as e:  # (check_header lets nothing malformed through; kept as a last line)
+            raise SourceError([], f"{path.name}: not a readable GGUF file: {type(e).__name__}") from None
         self.metadata = {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
         self.architecture = str(self.metadata.get("general.architecture", ""))
         arch = self.architecture
@@ -68,9 +235,20 @@ class GGUFSource(Source):
         float_types = {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}
         for t in self.reader.tensors:
             key = hf_name(t.name)
+            if key in self._infos:
+                raise SourceError([], f"{path.name}: tensors {t.name} and {self._tensors[key].name} both map to {key}")
             dtype = float_types.get(t.tensor_type, torch.float32)  # quantised types dequantise to float32
             self._infos[key] = TensorInfo(tuple(int(s) for s in reversed(t.shape)), dtype, path.name)
             self._tensors[key] = t
+        if self.architecture in PERMUTED_ARCHS:  # the q/k rows must split into the heads the metadata names
+            for key, info in self._infos.items():
+                for proj, field in (("q_proj", "head_count"), ("k_proj", "head_count_kv")):
+                    heads = self.n_heads if field == "head_count" else self.n_kv_heads
+                    if re.search(rf"self_attn\.{proj}\.(weight|bias)$", key) and not (
+                            isinstance(heads, int) and heads > 0 and info.shape and info.shape[0] % (2 * heads) == 0):
+                        raise SourceError([], f"{path.name}: {key} has {info.shape[0] if info.shape else 0} rows, "
+                                              f"which {arch}.attention.{field}={_say(heads)} does not split into "
+                                              f"heads of rotary pairs")
 
     def order(self, key: str) -> tuple:
         return ("", int(self._tensors[key].data_offset))
@@ -78,6 +256,12 @@ class GGUFSource(Source):
     def get(self, key: str) -> torch.Tensor:
         info = self.info(key)
         t = self._tensors[key]
+        try:
+            return self._get(key, info, t)
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            raise SourceError([], f"{info.file}: tensor {t.name} ({key}) cannot be read: {type(e).__name__}") from None
+
+    def _get(self, key: str, info: TensorInfo, t) -> torch.Tensor:
         q = self._gguf.GGMLQuantizationType
         if t.tensor_type == q.BF16:
             out = torch.from_numpy(t.data.copy()).view(torch.bfloat16)  # stored as raw 16-bit words

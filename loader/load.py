@@ -16,7 +16,7 @@ import torch
 
 from loader.mapping import Region
 from loader.plan import TieDecision, plan
-from loader.problems import LoadError, Problem
+from loader.problems import LoadError, Problem, SourceError
 from loader.rules import Rules
 from loader.sources import Source, open_source
 
@@ -64,9 +64,12 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
 
     def read(e) -> tuple[int, int]:  # (bytes read, non-finite values); runs in a worker thread
         dest = e.region.view(storage[e.param])
-        n = source.read_into(e.key, dest)
-        bad = int((~torch.isfinite(dest)).sum()) if check_finite and dest.is_floating_point() else 0
-        return n, bad
+        try:
+            n = source.read_into(e.key, dest)
+        except OSError as err:  # the file changed or failed under us
+            raise SourceError([Problem("file", e.key, e.file, None, f"{e.key} in {e.file} cannot be read "
+                                       f"({err.strerror or type(err).__name__})")]) from None
+        return n, nonfinite(dest) if check_finite else 0
 
     entries = sorted(p.entries, key=lambda e: source.order(e.key))
     # A few threads fault pages in parallel (the copies release the GIL); results are taken in order.
@@ -85,6 +88,16 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     _swap_in(module, p, storage, device)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def nonfinite(t: torch.Tensor) -> int:
+    """How many NaN/Inf values t holds. One read-only pass (a sum: any NaN or Inf makes it non-finite); the
+    exact count only when the sum is not finite (then it may also be finite values overflowing the sum)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0
+    if torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)):
+        return 0
+    return int((~torch.isfinite(t)).sum())
 
 
 def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -1,12 +1,14 @@
 """Problems the loader finds, and the one exception that carries all of them.
 
 Every problem names what is at fault: the checkpoint key, the file that holds it, and the parameter
-(with the region of it, for fused and stacked parameters). `str(LoadError)` lists them one per line.
+(with the region of it, for fused and stacked parameters). `str(LoadError)` lists them one per line, the
+first SHOWN of them (a config claiming 100000 layers must not print a million lines); `.problems` has all.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+SHOWN = 50
 KINDS = ("missing", "unexpected", "duplicate", "shape", "dtype", "nonfinite", "file")
 
 
@@ -32,7 +34,11 @@ class LoadError(Exception):
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        return "\n".join([self.header + ":"] + [f"  {p}" for p in self.problems])
+        lines = [self.header + ":"] if self.problems else [self.header]
+        lines += [f"  {p}" for p in self.problems[:SHOWN]]
+        if len(self.problems) > SHOWN:
+            lines.append(f"  ... and {len(self.problems) - SHOWN} more problems")
+        return "\n".join(lines)
 
 
 class SourceError(LoadError):

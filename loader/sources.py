@@ -7,6 +7,12 @@
 Safetensors headers are parsed here (8-byte length + JSON), so a plan needs no tensor data, and a read
 maps at most a 64 MiB window of one tensor's bytes and unmaps it after the copy into the destination (no
 mapped pages stay resident): that keeps a load's peak memory at about the weight bytes.
+
+A checkpoint is untrusted input. Before a file is opened: an index's shard names are plain file names, each
+file resolves inside the checkpoint directory (or, for a hub snapshot, its repository's blobs/), and is a
+regular file (no FIFO, no device). Headers are checked as safetensors checks them (size capped, no duplicate
+keys, data contiguous and inside the file, each tensor's bytes = shape x dtype size); every check runs once,
+from the headers, so a plan finds what a load would. No message quotes a file's bytes.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +40,8 @@ SAFETENSORS_DTYPES = {
 }
 SHARD_NAME = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
 WINDOW = 64 << 20  # bytes of a file mapped at once by read_into
+HEADER_LIMIT = 100_000_000  # bytes of a safetensors header at most (safetensors' own limit)
+INDEX_LIMIT = 64 << 20  # bytes of an index file at most
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
@@ -99,21 +108,23 @@ class Source:
 class SafetensorsSource(Source):
     kind = "safetensors"
 
-    def __init__(self, directory: Path, files: list[Path], index: Path | None = None):
+    def __init__(self, directory: Path, files: list[Path], index: Path | None = None, named: Path | None = None):
         super().__init__(directory, files)
         self._where: dict[str, tuple[Path, int, int]] = {}  # key -> (file, begin, end) in bytes
-        holdings = {f: _read_header(f, self.directory) for f in files if f.exists()}
         weight_map = _weight_map(index) if index else None
+        holdings, bad = {}, {}
+        for f in files:
+            if f.exists():
+                holdings[f], bad[f] = _read_header(f, self.directory, trusted=f == named)
         key_file = _cross_check(self.directory, index, weight_map, {f: list(h) for f, h in holdings.items()},
                                 files, self.problems)
+        self.problems += [p for f in holdings for p in bad[f].values() if p.key is None]
         for key, f in key_file.items():
-            dtype, shape, begin, end = holdings[f][key]
-            info = TensorInfo(shape, dtype, _rel(f, self.directory))
-            if end - begin != info.nbytes:
-                self.problems.append(Problem("file", key, info.file, None,
-                    f"{key} in {info.file}: header says {end - begin} bytes for {list(shape)} {dtype}"))
+            if key in bad[f]:  # a lying header entry: reported, never read
+                self.problems.append(bad[f][key])
                 continue
-            self._infos[key] = info
+            dtype, shape, begin, end = holdings[f][key]
+            self._infos[key] = TensorInfo(shape, dtype, _rel(f, self.directory))
             self._where[key] = (f, begin, end)
 
     def order(self, key: str) -> tuple:
@@ -162,7 +173,7 @@ class SafetensorsSource(Source):
     def _fd(self, path: Path) -> int:
         fds = self.__dict__.setdefault("_fds", {})
         if path not in fds:
-            fds[path] = os.open(path, os.O_RDONLY)
+            fds[path] = _open_regular(path, _rel(path, self.directory))
         return fds[path]
 
     def close(self) -> None:
@@ -225,6 +236,7 @@ class BinSource(Source):
         self._dicts: dict[Path, dict] = {}
         for f in files:
             if f.exists():
+                os.close(_open_regular(f, _rel(f, self.directory), self.directory))
                 try:
                     sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
                 except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
@@ -271,7 +283,7 @@ def _open_local(path: Path, allow_bin: bool) -> Source:
 
             return GGUFSource(path)
         if path.suffix == ".safetensors":
-            return SafetensorsSource(path.parent, [path])
+            return SafetensorsSource(path.parent, [path], named=path)
         if path.name.endswith(".safetensors.index.json"):
             return SafetensorsSource(path.parent, _index_files(path), index=path)
         if path.suffix in (".bin", ".pt", ".pth") or path.name.endswith(".bin.index.json"):
@@ -310,23 +322,126 @@ def _open_bin(directory: Path, allow_bin: bool, file: Path | None) -> BinSource:
     return BinSource(directory, files, index=index)
 
 
-def _read_header(f: Path, directory: Path) -> dict[str, tuple]:
-    """key -> (dtype, shape, begin, end), byte offsets absolute in the file; a malformed header is a
-    SourceError naming the file and the key."""
+# -- untrusted files: where they are, what they are ----------------------------------------------------
+def _roots(directory: Path) -> list[str]:
+    """The real directories a checkpoint's files may resolve into: its own, and for a hub snapshot
+    (<repo>/snapshots/<revision>/, whose files are symlinks into <repo>/blobs/) the repository's blobs."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return roots
+
+
+def check_file(f: Path, directory: Path, name: str | None = None) -> None:
+    """Refuse (SourceError) a file of the checkpoint in `directory` that resolves outside it (or outside the
+    hub snapshot's blobs/), or that is not a regular file; nothing is opened."""
+    name = name or _rel(f, directory)
+    real = os.path.realpath(f)
+    if not any(os.path.commonpath([real, r]) == r for r in _roots(directory)):
+        raise SourceError([], f"{name} in {directory} resolves to a path outside the checkpoint directory "
+                              f"(a symlink or '..'): refused, nothing was opened")
+    _check_regular(os.stat(real).st_mode, name)
+
+
+def _check_regular(mode: int, name: str) -> None:
+    if not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special"
+        raise SourceError([], f"{name} is {what}, not a regular file: refused")
+
+
+def _open_regular(f: Path, name: str, directory: Path | None = None) -> int:
+    """A read-only descriptor of f, refused (SourceError) unless it is a regular file (inside `directory` when
+    given). Opened non-blocking, so a FIFO cannot hang the open, and checked with fstat before any read."""
+    if directory is not None:
+        check_file(f, directory, name)
+    try:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise SourceError([], f"{name}: cannot be opened ({e.strerror or type(e).__name__})") from None
+    try:
+        _check_regular(os.fstat(fd).st_mode, name)
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def plain_name(v) -> bool:
+    """Whether an index value is a plain file name (no directory part, no '..', no absolute path)."""
+    return (isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v and "\0" not in v
+            and not re.match(r"^[A-Za-z]:", v))
+
+
+def _say(v, n: int = 60) -> str:
+    """repr of a value from an untrusted file, cut to n characters."""
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 5] + "...'" if r[:1] in "'\"" else r[: n - 3] + "..."
+
+
+def _json_type(v) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list) -> dict:
+    """json object_pairs_hook: a JSON object whose key appears twice is refused (json would keep the last)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
+
+
+def _parse_json(raw: bytes, name: str, what: str):
+    try:
+        return json.loads(raw, object_pairs_hook=_object)
+    except _DuplicateKey as e:
+        raise SourceError([Problem("duplicate", e.key, name, None, f"{_say(e.key)} appears twice in {what} of {name}")],
+                          f"{name}: {what} with a duplicate key") from None
+    except RecursionError:
+        raise SourceError([], f"{name}: {what} nests JSON too deeply to be read") from None
+    except ValueError as e:  # (UnicodeDecodeError too); json's message names a position, never the text
+        raise SourceError([], f"{name}: {what} is not JSON: {e}") from None
+
+
+def _read_json_file(f: Path, name: str, limit: int, what: str, directory: Path | None = None):
+    fd = _open_regular(f, name, directory)
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise SourceError([], f"{name}: {size} bytes, more than the {limit >> 20} MiB an index may hold")
+        return _parse_json(fh.read(limit + 1), name, what)
+
+
+def _read_header(f: Path, directory: Path, trusted: bool = False) -> tuple[dict[str, tuple], dict[str, Problem]]:
+    """(key -> (dtype, shape, begin, end) with byte offsets absolute in the file, key -> the problem of a lying
+    entry), checked as safetensors checks a file; a header that cannot be read at all is a SourceError naming
+    the file (and the key). `trusted`: the file the caller named, which may live anywhere."""
     name = _rel(f, directory)
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
+    fd = _open_regular(f, name, None if trusted else directory)
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
         raw = fh.read(8)
         if len(raw) < 8:
             raise SourceError([], f"{name}: not a safetensors file (shorter than its header)")
         (n,) = struct.unpack("<Q", raw)
+        if n > HEADER_LIMIT:
+            raise SourceError([], f"{name}: the header length field says {n} bytes, more than safetensors' limit "
+                                  f"of {HEADER_LIMIT // 1_000_000} MB: not a safetensors file, or corrupt")
         if 8 + n > size:
             raise SourceError([], f"{name}: the header claims {n} bytes but the file holds {size}: not a "
                                   f"safetensors file, or truncated")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError as e:
-            raise SourceError([], f"{name}: unreadable safetensors header: {e}") from None
+        header = _parse_json(fh.read(n), name, "the safetensors header")
     if not isinstance(header, dict):
         raise SourceError([], f"{name}: the safetensors header is a JSON {type(header).__name__}, not an object")
     out = {}
@@ -340,22 +455,76 @@ def _read_header(f: Path, directory: Path) -> dict[str, tuple]:
         for field in ("dtype", "shape", "data_offsets"):
             if field not in h:
                 raise bad(f"the header entry has no {field!r}")
-        if h["dtype"] not in SAFETENSORS_DTYPES:
-            raise bad(f"dtype {h['dtype']!r}, which torch cannot hold")
+        if not isinstance(h["dtype"], str) or h["dtype"] not in SAFETENSORS_DTYPES:
+            raise bad(f"dtype {_say(h['dtype'])}, which torch cannot hold")
         shape, offsets = h["shape"], h["data_offsets"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise bad(f"shape {shape!r} is not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):  # (not checked against the file size: a plan reads headers)
-            raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
-        begin, end = offsets
-        out[key] = (SAFETENSORS_DTYPES[h["dtype"]], tuple(shape), 8 + n + begin, 8 + n + end)
-    return out
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"shape {_say(shape)} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"data_offsets {_say(offsets)} are not [begin, end] with 0 <= begin <= end")
+        out[key] = (SAFETENSORS_DTYPES[h["dtype"]], tuple(shape), *offsets)
+    problems = _check_offsets(name, out, size - 8 - n)
+    return {k: (dt, sh, 8 + n + b, 8 + n + e) for k, (dt, sh, b, e) in out.items()}, problems
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_offsets(name: str, entries: dict[str, tuple], data_size: int) -> dict[str, Problem]:
+    """key -> problem for each entry whose data lies, as safetensors validates a file: sorted by offset, each
+    tensor starts where the previous one ends and holds exactly shape x dtype-size bytes, and the last one
+    ends where the file does (key None: a file-level problem, such as bytes no tensor holds)."""
+    bad: dict[str, Problem] = {}
+
+    def flag(key, why):
+        bad.setdefault(key, Problem("file", key, name, None, f"{key} in {name}: {why}"))
+
+    expected, prev = 0, None
+    for key, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        nbytes = TensorInfo(shape, dtype, name).nbytes
+        if end - begin != nbytes:
+            flag(key, f"the header says {end - begin} bytes for {list(shape)} {_dt(dtype)}, which is {nbytes} bytes")
+        if end > data_size:
+            flag(key, f"data_offsets [{begin}, {end}] run past the end of the file's {data_size} data bytes "
+                      f"(truncated, or a lying header)")
+        elif begin < expected:
+            flag(key, f"data_offsets [{begin}, {end}] overlap those of {prev}, which end at {expected}")
+        elif begin > expected:
+            flag(key, f"data_offsets [{begin}, {end}] leave {begin - expected} bytes after "
+                      f"{prev if prev else 'the header'} that no tensor holds")
+        if end > expected:
+            expected, prev = end, key
+    if expected < data_size and not bad:
+        bad[None] = Problem("file", None, name, None, f"{name}: {data_size - expected} bytes after the last "
+                                                      f"tensor's data that no tensor holds (a lying header?)")
+    return bad
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    with open(index) as f:
-        return json.load(f)["weight_map"]
+    """The index's key -> shard file map; refused (SourceError, nothing else opened) unless it is a JSON object
+    with a weight_map of plain file names."""
+    name = index.name
+    data = _read_json_file(index, name, INDEX_LIMIT, "the index", index.parent)
+    if not isinstance(data, dict):
+        raise SourceError([], f"{name}: the index is a JSON {_json_type(data)}, not an object with a weight_map")
+    if "weight_map" not in data:
+        raise SourceError([], f"{name}: the index has no weight_map")
+    wm = data["weight_map"]
+    if not isinstance(wm, dict):
+        raise SourceError([], f"{name}: weight_map is a JSON {_json_type(wm)}, not an object (key -> shard file)")
+    for k, v in wm.items():
+        if not isinstance(v, str):
+            raise SourceError([], f"{name}: weight_map[{_say(k)}] is a JSON {_json_type(v)}, not a shard file name")
+        if not plain_name(v):
+            raise SourceError([], f"{name}: weight_map[{_say(k)}] names the shard {_say(v)}, which is not a plain "
+                                  f"file name in {index.parent}: refused, nothing was opened")
+    return wm
 
 
 def _index_files(index: Path, also: list[Path] = ()) -> list[Path]:

@@ -180,22 +180,29 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         tolerances("dense", tol_overrides)  # unknown keys fail here, before anything loads
     except ValueError as e:
         raise ParityUsageError(str(e)) from None
+    from loader import LoadError, open_source
+    from zoo.build import check_layers, exit_status
+
     torch.manual_seed(seed)
     try:
         files = resolve_model(model)
         config = load_config(files)
         tokenizer = load_tokenizer(files)
-    except (ModelNotFound, OSError, ValueError) as e:
+    except (ModelNotFound, OSError, ValueError, LoadError) as e:
         raise ParityUsageError(f"{model}: {type(e).__name__}: {e}") from None
+    if not files.is_gguf:  # untrusted files: the loader's checks run before transformers reads any of them
+        try:
+            check_layers(config, open_source(files.path))
+        except LoadError as e:
+            if exit_status(e) == 1:
+                raise ZooLoadFailure(model, e) from None
+            raise ParityUsageError(f"{model}: {e}") from None
     if prompts is None and prompts_file is not None:
         prompts, prompt_texts = read_prompts(prompts_file, tokenizer)
     elif prompts is None:
         prompts, prompt_texts = default_prompts(tokenizer, config.get_text_config().vocab_size, seed)
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
-
-    from loader import LoadError
-    from zoo.build import exit_status
 
     t0 = time.perf_counter()
     try:  # a failure to load either side is an environment / usage error, named; but a strictness

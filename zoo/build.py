@@ -4,13 +4,16 @@
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 import loader
 from registry import get_registry
-from zoo.runtime.model_files import ConfigError
+from zoo.runtime.model_files import ConfigError, read_config, validate_config
+
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None):
@@ -23,12 +26,10 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     source = loader.open_source(path_or_source, strict=False) if isinstance(path_or_source, (str, Path)) \
         else path_or_source
     if config is None:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(str(source.directory))
-        except ValueError as e:
-            raise ConfigError(f"{source.directory}: the config cannot be read: {str(e).strip().splitlines()[0]}") from e
+        config = read_config(str(source.directory), str(source.directory))
+    else:
+        validate_config(config, str(source.directory))
+    check_layers(config, source)
     spec = get_registry().resolve(config)
     if spec.validate is not None:
         try:
@@ -37,7 +38,8 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
             raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
     with torch.device("meta"):
         model = spec.model_class()(config)
-    report = loader.load(model, source, rules_for(spec, model), dtype=dtype, device=device)
+    # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
+    report = loader.load(model, source, rules_for(spec, model), dtype=dtype, device=device, check_finite=True)
     return model.eval(), config, spec, report
 
 
@@ -45,6 +47,20 @@ def rules_for(spec, model) -> loader.Rules:
     """The spec's weight rules plus those the built model adds for its config (`model.load_rules`: e.g. the
     vision layers past the last one a multimodal model reads, named as ignored)."""
     return spec.rules + getattr(model, "load_rules", loader.Rules())
+
+
+def check_layers(config, source: loader.Source) -> None:
+    """Refuse, before a model is built, a config that claims more layers than the checkpoint holds (a
+    num_hidden_layers of 100000 would take minutes and gigabytes to build, then report a million missing
+    tensors): one LoadError naming the field and the layers the checkpoint has."""
+    n = getattr(config, "num_hidden_layers", None)
+    held = {int(m[1]) for k in source.keys() if (m := LAYER_KEY.search(k))}
+    if isinstance(n, int) and held and n > max(held) + 1:
+        last = max(held)
+        raise loader.LoadError([loader.Problem(
+            "missing", f"model.layers.{last + 1}", None, None,
+            f"the config says num_hidden_layers={n} but {source.directory} holds layers 0-{last} only: "
+            f"layers {last + 1}-{n - 1} have no tensors")], "1 problem: the config does not fit the checkpoint")
 
 
 def exit_status(error: loader.LoadError) -> int:

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 from loader import LoadError, Rules, open_source, plan
+from loader.problems import SHOWN
 from zoo.table import print_table
 
 
@@ -36,6 +37,9 @@ def run(args) -> int:
     except (OSError, ValueError, LookupError, ImportError) as e:
         print(f"zoo inspect: {e}")
         return 2
+    except Exception as e:  # the model class refuses the config while it is built on meta
+        print(f"zoo inspect: {args.model}: the model cannot be built from its config: {type(e).__name__}: {e}")
+        return 2
     p = plan(model, source, rules)
     print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) "
           f"-> {what}")
@@ -48,8 +52,10 @@ def run(args) -> int:
         print(f"tie: {t}")
     if p.problems:
         print(f"{len(p.problems)} problems:")
-        for problem in p.problems:
+        for problem in p.problems[:SHOWN]:
             print(f"  {problem}")
+        if len(p.problems) > SHOWN:
+            print(f"  ... and {len(p.problems) - SHOWN} more problems")
         return 1
     print(f"ok: every checkpoint tensor and every element of every parameter is accounted for")
     return 0
@@ -58,8 +64,12 @@ def run(args) -> int:
 def _build(source, use_transformers: bool):
     import transformers
 
+    from zoo.build import check_layers
+    from zoo.runtime.model_files import read_config
+
     gguf = {"gguf_file": source.files[0].name} if source.kind == "gguf" else {}
-    config = transformers.AutoConfig.from_pretrained(source.directory, **gguf)
+    config = read_config(source.directory, source.files[0].name if gguf else str(source.directory), **gguf)
+    check_layers(config, source)
     if use_transformers:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)

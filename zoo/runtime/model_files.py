@@ -6,10 +6,15 @@ hub id resolved through the huggingface_hub cache (HF_HUB_OFFLINE honoured).
 A GGUF file carries its config and tokenizer as metadata; transformers converts them in a few seconds
 (it parses the whole vocabulary), so the converted files are kept in zoo.paths.cache_dir('gguf')/<key>/
 (key: the file's path, size and mtime, and the transformers version) and read back from there.
+
+The files are untrusted: the ones transformers reads from a directory (config, tokenizer) must be regular files
+inside it, a GGUF header is checked by the loader before transformers parses it, and a config is validated
+(validate_config) before a model is built from it; each failure is one line naming the file and the field.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -17,6 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo import paths
+
+# Files of a model directory that transformers reads (config, generation config, tokenizer)
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+# Config fields that, when set, must be integers > 0 (or >= 0): a model cannot be built from anything else
+POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+            "num_local_experts", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+            "decoder_sparse_step", "routed_scaling_factor")
+NON_NEGATIVE = ("sliding_window", "first_k_dense_replace", "n_shared_experts", "shared_expert_intermediate_size")
+FLOATS = (("rms_norm_eps", 0.0), ("layer_norm_eps", 0.0), ("rope_theta", None))  # (field, least value allowed)
 
 
 class ModelNotFound(RuntimeError):
@@ -61,14 +79,31 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
             return _gguf(ggufs[0])
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path}: no config.json (not a Hugging Face model directory)")
+        _check_side_files(path)
         return ModelFiles(path, path, None, str(path.resolve()))
     name = str(model)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise ModelNotFound(f"{name}: no such file or directory, and not a hub id of the form org/name")
-    return ModelFiles(*(2 * [_from_hub(name)]), None, name)
+    snapshot = _from_hub(name)
+    _check_side_files(snapshot)
+    return ModelFiles(snapshot, snapshot, None, name)
+
+
+def _check_side_files(directory: Path) -> None:
+    """The config and tokenizer files transformers will read are regular files inside the directory (or the
+    hub snapshot's blobs/): a FIFO would hang it, a symlink out would read another directory's file.
+    Raises loader.SourceError."""
+    from loader.sources import check_file
+
+    for name in SIDE_FILES:
+        if os.path.lexists(directory / name):
+            check_file(directory / name, directory)
 
 
 def _gguf(path: Path) -> ModelFiles:
+    from loader.gguf import check_header
+
+    check_header(path)  # before transformers parses its metadata into a config and a tokenizer (SourceError)
     path = path.resolve()
     return ModelFiles(path, path.parent, path.name, str(path))
 
@@ -124,14 +159,92 @@ def _source_dir(files: ModelFiles) -> tuple[Path, dict]:
 
 
 def load_config(files: ModelFiles):
+    try:
+        directory, kw = _source_dir(files)
+    except Exception as e:  # transformers converting a GGUF's metadata
+        raise ConfigError(f"{files.name}: the config cannot be read from the GGUF metadata: {first_line(e)}") from None
+    return read_config(directory, files.name, **kw)
+
+
+def read_config(directory, name: str, **kw):
+    """transformers' config from `directory` (kw: gguf_file=), validated; ConfigError (one line, naming `name`
+    and the field) for whatever transformers raises on it (its strict-dataclass validation errors, a
+    KeyError for a rope type without its factor, a ZeroDivisionError for zero heads) and for what it accepts
+    but no model can be built from."""
     from transformers import AutoConfig
 
-    directory, kw = _source_dir(files)
+    if not kw and Path(directory).is_dir():
+        _check_side_files(Path(directory))
     try:
-        return AutoConfig.from_pretrained(directory, **kw)
-    except ValueError as e:  # e.g. a model_type transformers does not know
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ConfigError(f"{files.name}: the config cannot be read: {first}") from e
+        config = AutoConfig.from_pretrained(directory, **kw)
+    except Exception as e:
+        raise ConfigError(f"{name}: the config cannot be read: {first_line(e)}") from None
+    validate_config(config, name)
+    return config
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its first non-empty line (with the next one when that ends in ':', as
+    transformers' validation errors do), without a KeyError's quotes."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    text = lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else "")
+    if isinstance(e, KeyError) and text[:1] in "'\"" and text[-1:] == text[:1]:
+        text = text[1:-1]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def validate_config(config, name: str) -> None:
+    """Refuse (ConfigError naming the field) what transformers accepts but no model can be built from: sizes
+    and counts that are not integers > 0, non-finite or negative eps and rope theta, a rope scaling without a
+    usable factor, `architectures` that is not a list of strings, heads that do not divide."""
+    def bad(field, value, why):
+        raise ConfigError(f"{name}: config {field}={_short(value)} {why}")
+
+    archs = getattr(config, "architectures", None)
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        bad("architectures", archs, "is not a list of strings (e.g. [\"LlamaForCausalLM\"])")
+    for field in POSITIVE + NON_NEGATIVE:
+        v = getattr(config, field, None)
+        if v is None:
+            continue
+        least = 1 if field in POSITIVE else 0
+        if field == "routed_scaling_factor":
+            if not _number(v) or not v > 0:
+                bad(field, v, "is not a finite number > 0")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < least:
+            bad(field, v, f"is not an integer >= {least}")
+    for field, least in FLOATS:
+        v = getattr(config, field, None)
+        if v is not None and (not _number(v) or (v <= 0 if least is None else v < least)):
+            bad(field, v, "is not a finite number " + ("> 0" if least is None else f">= {least}"))
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and kv and heads % kv:
+        bad("num_attention_heads", heads, f"is not a multiple of num_key_value_heads={kv}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    per_type = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in per_type:
+        if r is None:
+            continue
+        if not isinstance(r, dict):
+            bad("rope_parameters", r, "is not an object")
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in (None, "default") and "factor" in r or kind in ("linear", "dynamic", "yarn", "llama3"):
+            if not _number(r.get("factor")) or not r["factor"] > 0:
+                bad(f"rope_parameters.factor (rope_type {kind!r})", r.get("factor"), "is not a finite number > 0")
+        theta = r.get("rope_theta")
+        if theta is not None and (not _number(theta) or theta <= 0):
+            bad("rope_parameters.rope_theta", theta, "is not a finite number > 0")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def load_tokenizer(files: ModelFiles):
@@ -142,7 +255,10 @@ def load_tokenizer(files: ModelFiles):
     if not kw and not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model", "vocab.json")):
         return None
-    return AutoTokenizer.from_pretrained(directory, **kw)
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kw)
+    except Exception as e:  # a malformed tokenizer file is a usage error, one line
+        raise ConfigError(f"{files.name}: the tokenizer cannot be read: {first_line(e)}") from None
 
 
 def load_generation_config(files: ModelFiles):
