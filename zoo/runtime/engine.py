@@ -16,6 +16,7 @@ import torch
 from zoo.runtime.detokenizer import IncrementalDetokenizer
 from zoo.runtime.kv_cache import DEFAULT_KV_MEMORY, KVCacheManager, bytes_per_token, cache_specs, num_blocks_for
 from zoo.runtime.model_runner import ModelRunner
+from zoo.runtime.multimodal import MultiModal, placeholder_ranges
 from zoo.runtime.request import Request, RequestStatus
 from zoo.runtime.sampling_params import SamplingParams
 from zoo.runtime.scheduler import Scheduler
@@ -90,7 +91,7 @@ class LLMEngine:
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  device: torch.device | str | None = None, num_state_slots: int | None = None,
-                 num_state_snapshots: int | None = None):
+                 num_state_snapshots: int | None = None, processor=None, encoder_cache_rows: int | None = None):
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer
@@ -119,6 +120,10 @@ class LLMEngine:
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device, state_specs=self.state_specs,
                                   num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots)
+        # images: the checkpoint's processor (AutoProcessor) and an encoder cache of encoder_cache_rows rows
+        self.mm = MultiModal(model, processor, encoder_cache_rows=encoder_cache_rows) \
+            if MultiModal.supports(model) else None
+        self.runner.mm = self.mm
         self.kv_bytes_per_token = bytes_per_token(specs)
         self.state_bytes_per_request = bytes_per_request(self.state_specs)
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
@@ -129,21 +134,30 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, images=None) -> str:
+        """`images`: one image or a list (PIL images, paths, bytes, arrays) for a model that takes them; a text
+        prompt then goes through the model's processor, which expands each image token into its placeholders."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params={params!r}: expected a SamplingParams")
-        text = None
-        if isinstance(prompt, str):
+        text, items = None, None
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if images is not None and not (isinstance(images, (list, tuple)) and not images):
+            if self.mm is None:
+                raise ValueError(f"request {request_id!r}: {type(self.model).__name__} takes no images")
+            text = prompt if isinstance(prompt, str) else None
+            prompt, items = self.mm.process(request_id, prompt, images)
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
             text, prompt = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        request_id = str(next(self._ids)) if request_id is None else request_id
         prompt = token_ids(prompt, self.vocab_size, f"request {request_id!r}: prompt")
         if self.vocab_size is not None:
             params.check_vocab(self.vocab_size)
+        if self.mm is not None and not items:  # image placeholders without images
+            placeholder_ranges(list(prompt), self.mm.image_token_id, [], request_id)
         req = Request(request_id, list(prompt), params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-                      prompt=text)
+                      prompt=text, mm_items=items)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.scheduler.add_request(req)
@@ -156,6 +170,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.detokenizers.pop(request_id, None)
+        if self.mm is not None:
+            self.mm.cache.release_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -183,7 +199,12 @@ class LLMEngine:
         self.scheduler.update_from_output(out, tokens)
         for req in broken:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, NON_FINITE)
-        return [self._output(req, tokens.get(req.request_id)) for req in reqs]
+        outputs = [self._output(req, tokens.get(req.request_id)) for req in reqs]
+        if self.mm is not None:
+            for req in reqs:
+                if req.finished:
+                    self.mm.cache.release_request(req.request_id)
+        return outputs
 
     def _output(self, req: Request, token: int | None) -> RequestOutput:
         delta, text = "", ""

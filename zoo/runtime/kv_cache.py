@@ -13,7 +13,7 @@ scheduler clips prefill chunks at block boundaries (`clip_to_blocks`) so that th
 
 Doors left open (not built): sliding-window layers could release blocks that fell out of the window
 (CacheSpec.sliding_window); hybrid prefix caching would hash blocks with their state snapshots;
-multimodal prompts add the image hashes to a block's hash (`hash_block(extra=...)`).
+multimodal prompts add (hash, offset) of the images overlapping a block to its hash (multimodal.block_extra_keys).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 
 from zoo.runtime.batch import CacheSpec
 from zoo.runtime.block_pool import BlockPool, KVBlock, hash_block
+from zoo.runtime.multimodal import block_extra_keys
 from zoo.runtime.request import Request
 from zoo.runtime.state_pool import StateSlots, StateSnapshots
 
@@ -98,7 +99,8 @@ class KVCacheManager:
         bs, ns = self.block_size, self.namespace + "|" + (req.cache_salt or "")
         hashes, tokens = req.block_hashes, req.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], ns))
+            extra = block_extra_keys(req.mm_items, i * bs, (i + 1) * bs) if req.mm_items else ()  # images in it
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], ns, extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of whole blocks, leaving at least one token to compute."""

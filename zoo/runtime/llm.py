@@ -18,10 +18,11 @@ import torch
 
 from zoo.runtime import chat_template
 from zoo.runtime.engine import LLMEngine, RequestOutput
-from zoo.runtime.model_files import (load_config, load_generation_config, load_tokenizer, resolve_model)
+from zoo.runtime.model_files import (load_config, load_generation_config, load_processor, load_tokenizer,
+                                     resolve_model)
 from zoo.runtime.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # a dict as vLLM's: {"prompt" or "prompt_token_ids", "multi_modal_data": {"image"}}
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -37,7 +38,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype="float32", device="cpu", num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 progress: Callable[[str], None] | None = None):
+                 encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None):
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
         say = progress or (lambda msg: None)
@@ -54,7 +55,8 @@ class LLM:
             generation_config=load_generation_config(self.files), num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            device=device)
+            device=device, processor=load_processor(self.files) if self.spec.family == "multimodal" else None,
+            encoder_cache_rows=encoder_cache_rows)
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -75,8 +77,8 @@ class LLM:
 
     def _add(self, prompts, params) -> list[str]:
         """Add every prompt, or none: a prompt refused (too long, a bad token id) aborts those added before it."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], numbers.Number)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], numbers.Number)):
             prompts = [prompts]
         if not isinstance(params, (list, tuple)):
             params = [params or SamplingParams()] * len(prompts)
@@ -85,12 +87,26 @@ class LLM:
         added: list[str] = []
         try:
             for p, sp in zip(prompts, params):
-                added.append(self.engine.add_request(p, sp))
+                added.append(self._add_one(p, sp))
         except BaseException:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
         return added
+
+    def _add_one(self, prompt: Prompt, params: SamplingParams) -> str:
+        if not isinstance(prompt, dict):
+            return self.engine.add_request(prompt, params)
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and optionally "
+                             f"'multi_modal_data'; got keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data: only {{'image': image or list of images}} is supported; got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+        return self.engine.add_request(text, params, images=data.get("image"))
 
     @contextlib.contextmanager
     def _exclusive(self):

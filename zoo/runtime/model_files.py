@@ -267,3 +267,13 @@ def load_generation_config(files: ModelFiles):
     from transformers import GenerationConfig
 
     return GenerationConfig.from_pretrained(files.directory)
+
+
+def load_processor(files: ModelFiles):
+    """The checkpoint's own processor (AutoProcessor: image processor + tokenizer), or None without one."""
+    if files.is_gguf or not any((files.directory / f).exists()
+                                for f in ("preprocessor_config.json", "processor_config.json")):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(files.directory)

@@ -25,6 +25,7 @@ from zoo import kernels
 from zoo.kernels.fused import FusedDecoder
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
+from zoo.runtime.multimodal import MultiModal
 from zoo.runtime.request import Request
 from zoo.runtime.sampler import Sampler, SamplerOutput
 from zoo.runtime.scheduler import SchedulerOutput
@@ -54,6 +55,7 @@ class ModelRunner:
         self.last_timings: dict[str, float] = {}  # seconds of prepare / forward / logits / sample; requests, tokens
         self.packed_bytes = kernels.pack_weights(model) if native else 0
         self.fused = FusedDecoder.build(model, self.kv_caches) if native else None
+        self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         bs = self.block_size
@@ -97,6 +99,8 @@ class ModelRunner:
             batch.state_indices_cpu = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled]
             batch.has_initial_state_cpu = [s.num_computed_tokens > 0 for s in out.scheduled]
             batch.state_indices = torch.tensor(batch.state_indices_cpu, dtype=torch.int64, device=dev)
+        if self.mm is not None:  # image features for the placeholder rows this step covers (encoded if new)
+            batch.mm_positions, batch.mm_embeds = self.mm.gather(out.scheduled, qsl)  # [M], [M, H]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
         return input_ids, positions_t, batch
 

@@ -39,6 +39,7 @@ class Request:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         cache_salt: str | None = None,
         prompt: str | None = None,
+        mm_items: list | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
@@ -51,6 +52,7 @@ class Request:
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | self.eos_token_ids
         self.cache_salt = cache_salt
+        self.mm_items = list(mm_items or ())  # images: zoo.runtime.multimodal.ImageItem, placeholder ranges fixed
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
