@@ -23,6 +23,7 @@ bias or a misplaced norm changes the output; saved with save_pretrained (safeten
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ def load_config(source) -> transformers.PretrainedConfig:
     if not p.is_file():
         raise FileNotFoundError(f"--tiny {source}: no config.json there")
     with open(p) as f:
-        d = json.load(f)
+        d = json.load(f, object_hook=_special_float)
     model_type = d.get("model_type")
     if not model_type:
         raise ValueError(f"--tiny {source}: config has no model_type")
@@ -76,6 +77,11 @@ def load_config(source) -> transformers.PretrainedConfig:
         raise ValueError(f"--tiny {source}: transformers {transformers.__version__} does not know model_type "
                          f"{model_type!r} ({e})") from None
     return cls.from_dict(d)
+
+
+def _special_float(obj: dict):
+    """transformers writes inf / nan as {"__float__": "Infinity"} (Mamba2's time_step_limit): read them back."""
+    return float(obj["__float__"]) if obj.keys() == {"__float__"} and isinstance(obj["__float__"], str) else obj
 
 
 def _round8(x: float) -> int:
@@ -88,14 +94,19 @@ PER_LAYER = ("layer_types", "no_rope_layers")
 
 def _kept_layers(d: dict) -> list[int]:
     n = d["num_hidden_layers"]
+    if d.get("attn_layer_period"):  # Jamba: whole periods of its attention / MoE pattern, the fields unchanged
+        return list(range(min(n, math.lcm(d["attn_layer_period"], d.get("expert_layer_period") or 1))))
     kept = {0}
+    attn = set(d.get("attn_layer_indices") or ())  # Bamba: the first attention layer and the first Mamba one
+    kept |= {min(attn)} if attn else set()
+    kept |= {next((i for i in range(n) if i not in attn), 0)}
     for field in PER_LAYER:
         values = d.get(field) or []
         for t in dict.fromkeys(values):
             kept.add(values.index(t))
     # MoE placement: the first dense layer and the first MoE layer
     moe = _moe_layers(d, n)
-    if moe is not None:
+    if moe is not None and not d.get("attn_layer_period"):
         for flag in (True, False):
             if flag in moe:
                 kept.add(moe.index(flag))
@@ -130,6 +141,11 @@ def shrink_dict(d: dict) -> dict:
     kept = _kept_layers(d)
     moe = _moe_layers(d, n)
     d["num_hidden_layers"] = len(kept)
+    if d.get("attn_layer_indices"):
+        d["attn_layer_indices"] = [j for j, i in enumerate(kept) if i in d["attn_layer_indices"]]
+    if "num_attention_heads" not in d:  # attention-free (Mamba2): only the mixers to shrink
+        _shrink_ssm(d, hidden=d["hidden_size"], hidden_new=64)
+        return _shrink_tail(d)
     for field in PER_LAYER:
         if isinstance(d.get(field), list) and len(d[field]) == n:
             d[field] = [d[field][i] for i in kept]
@@ -182,7 +198,40 @@ def shrink_dict(d: dict) -> dict:
     if d.get("sliding_window"):
         d["sliding_window"] = min(d["sliding_window"], MAX_WINDOW)
     _shrink_rope_factors(d)
+    _shrink_ssm(d, hidden=hidden, hidden_new=hidden_new)
+    return _shrink_tail(d)
 
+
+# the SSM mixer's fields: (heads, head dim, state, groups, chunk, expand, dt rank) per model type
+SSM_FIELDS = {
+    "mamba2": ("num_heads", "head_dim", "state_size", "n_groups", "chunk_size", "expand", "time_step_rank"),
+    "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size", "mamba_expand",
+              None),
+    "jamba": (None, None, "mamba_d_state", None, None, "mamba_expand", "mamba_dt_rank"),
+}
+
+
+def _shrink_ssm(d: dict, *, hidden: int, hidden_new: int) -> None:
+    """Mamba mixers: heads of HEAD_DIM channels filling expand x hidden, at most 2 groups, a state of at most 16,
+    scan chunks of 8 (so the default prompts span several), dt rank scaled with the hidden size."""
+    fields = SSM_FIELDS.get(d.get("model_type"))
+    if fields is None:
+        return
+    heads, head_dim, state, groups, chunk, expand, rank = fields
+    d["hidden_size"] = hidden_new
+    if heads:
+        d[head_dim] = HEAD_DIM
+        d[heads] = int(d.get(expand) or 2) * hidden_new // HEAD_DIM
+        d[groups] = min(d.get(groups) or 1, 2)
+    d[state] = min(d.get(state) or 16, 16)
+    if chunk:
+        d[chunk] = 8
+    if rank and isinstance(d.get(rank), int):
+        d[rank] = max(1, -(-d[rank] * hidden_new // hidden))
+
+
+def _shrink_tail(d: dict) -> dict:
+    """The vocabulary, special tokens, init range and dtype of a shrunken config."""
     vocab = min(d.get("vocab_size") or MAX_VOCAB, MAX_VOCAB)
     d["vocab_size"] = vocab
     for key in ("bos_token_id", "pad_token_id", "eos_token_id"):

@@ -244,3 +244,51 @@ def test_bamba_rotates_half_of_each_head(tmp_path_factory):
     rope = case.model.model.layers[1].self_attn.rotary_emb
     head_dim = case.config.hidden_size // case.config.num_attention_heads
     assert rope.rotary_dim == head_dim // 2
+
+
+# -- `zoo parity --tiny` on the published config.json of each family (hub values, written here: no download) ------
+
+REAL_CONFIGS = {
+    "Mamba2ForCausalLM": dict(  # mistralai/Mamba-Codestral-7B-v0.1 (its extra norm_before_gate / rms_norm included)
+        model_type="mamba2", bos_token_id=0, chunk_size=256, conv_kernel=4, eos_token_id=0, expand=2, head_dim=64,
+        hidden_act="silu", hidden_size=4096, initializer_range=0.1, layer_norm_epsilon=1e-05, n_groups=8,
+        norm_before_gate=True, num_heads=128, num_hidden_layers=64, pad_token_id=0, rescale_prenorm_residual=False,
+        residual_in_fp32=True, rms_norm=True, state_size=128, tie_word_embeddings=False, time_step_floor=0.0001,
+        time_step_max=0.1, time_step_min=0.001, time_step_rank=256, use_bias=False, use_cache=True,
+        use_conv_bias=True, vocab_size=32768),
+    "BambaForCausalLM": dict(  # ibm-ai-platform/Bamba-9B
+        model_type="bamba", attention_dropout=0.0, attn_layer_indices=[9, 18, 27], bos_token_id=0, eos_token_id=0,
+        hidden_act="silu", hidden_size=4096, initializer_range=0.02, intermediate_size=14336, mamba_chunk_size=256,
+        mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=64, mamba_d_state=128, mamba_expand=2, mamba_n_groups=1,
+        mamba_n_heads=128, mamba_proj_bias=False, max_position_embeddings=262144, num_attention_heads=32,
+        num_hidden_layers=32, num_key_value_heads=8, num_logits_to_keep=1, pad_token_id=0, rms_norm_eps=1e-05,
+        rope_theta=10000.0, tie_word_embeddings=False, use_cache=True, vocab_size=128256),
+    "JambaForCausalLM": dict(  # ai21labs/Jamba-v0.1
+        model_type="jamba", attention_dropout=0.0, attn_layer_offset=4, attn_layer_period=8, bos_token_id=1,
+        eos_token_id=2, expert_layer_offset=1, expert_layer_period=2, hidden_act="silu", hidden_size=4096,
+        initializer_range=0.02, intermediate_size=14336, mamba_conv_bias=True, mamba_d_conv=4, mamba_d_state=16,
+        mamba_dt_rank=256, mamba_expand=2, mamba_proj_bias=False, max_position_embeddings=262144,
+        num_attention_heads=32, num_experts=16, num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
+        num_logits_to_keep=1, output_router_logits=False, pad_token_id=0, rms_norm_eps=1e-06,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False, use_cache=True, use_mamba_kernels=True,
+        vocab_size=65536),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(REAL_CONFIGS))
+def test_parity_tiny_from_the_real_config(arch, tmp_path):
+    import json
+
+    from parity.harness import run_parity
+    from parity.tiny import save_tiny_checkpoint
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text(json.dumps({"architectures": [arch], **REAL_CONFIGS[arch]}))
+    path = save_tiny_checkpoint(tmp_path / "full", tmp_path / "tiny")
+    config = json.loads((path / "config.json").read_text())
+    if arch == "BambaForCausalLM":  # layer 0 (Mamba) and layer 9 (attention) kept
+        assert config["num_hidden_layers"] == 2 and config["attn_layer_indices"] == [1]
+    if arch == "JambaForCausalLM":  # one whole period: attention at 4, MoE on odd layers
+        assert config["num_hidden_layers"] == 8 and config["attn_layer_offset"] == 4
+    result = run_parity(path)
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
