@@ -123,3 +123,15 @@ def test_a_missing_vision_tensor_is_named(llava, tmp_path):
         build_model(broken)
     assert "vision_tower.encoder.layers.1.self_attn.k_proj.weight -> " \
            "model.vision_tower.encoder.layers.1.self_attn.qkv_proj.weight[rows 32:64]" in str(e.value)
+
+
+def test_zoo_inspect_shows_the_vision_tower_plan(llava, capsys):
+    from zoo.cli import main
+
+    if llava["name"] != "llama":
+        pytest.skip("one plan is enough")
+    assert main(["inspect", str(llava["path"])]) == 0
+    out = capsys.readouterr().out
+    assert "vision_tower.encoder.layers.{i}.self_attn.q_proj.weight" in out  # folded over the 2 built layers
+    assert "model.vision_tower.encoder.layers.{i}.self_attn.qkv_proj.weight[rows 0:32]  (x2)" in out
+    assert "ignored: vision_tower.encoder.layers.2.mlp.fc1.weight" in out and "past the deepest" in out

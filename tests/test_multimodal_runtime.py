@@ -137,3 +137,21 @@ def test_an_undecodable_image_names_the_request(tiny, tmp_path):
         engine.engine.add_request(PROMPTS["one"][0], GREEDY, request_id="r8", images=[3])
     (out,) = engine.generate(request(*PROMPTS["one"]), GREEDY)  # the engine goes on
     assert out.token_ids
+
+
+def test_zoo_run_with_an_image(tiny, tmp_path, capsys):
+    from zoo.cli import main
+
+    path, _ = tiny
+    PROMPTS["one"][1][0].save(tmp_path / "img.png")
+    assert main(["run", str(path), "--image", str(tmp_path / "img.png"), "--prompt", "Describe the image.",
+                 "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "zoo: 5 tokens" in err and "prompt 23 tokens" in err  # user : <16 rows> Describe the image. assistant :
+    chat = {"prompt": "user : <image> Describe the image.  assistant : ", "multi_modal_data": {"image": [IMAGES[0]]}}
+    (want,) = llm(path).generate(chat, SamplingParams(temperature=0, max_tokens=5))
+    assert out.strip() == want.text.strip()
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert main(["run", str(path), "--image", str(tmp_path / "bad.png"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "image 0" in err and "cannot be decoded" in err and "Traceback" not in err

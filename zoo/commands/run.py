@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image for a multimodal model (repeat for several); its image token goes before "
+                             "the prompt unless the prompt holds it")
 
 
 class Progress:
@@ -93,10 +96,14 @@ def run(args) -> int:
         if not prompt.strip():
             return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
         try:
+            prompt = _with_images(llm, prompt, args.image)
             ids = _fit(llm, prompt, chat, history)
-        except (PromptTooLong, ValueError) as e:  # (ValueError: a token id the model lacks, a broken template)
-            return _fail(str(e), 2)
-        return 1 if _generate(llm, ids, params) is None else 0
+            request = {"prompt_token_ids": ids, "multi_modal_data": {"image": args.image}} if args.image else ids
+            return 1 if _generate(llm, request, params) is None else 0
+        except (PromptTooLong, ValueError) as e:  # (ValueError: a token id the model lacks, a broken template,
+            return _fail(str(e), 2)                # an image that cannot be decoded)
+    if args.image:
+        return _fail("--image needs --prompt (or a prompt on stdin)", 2)
     print(f"zoo: chatting with {llm.files.name} ({'chat' if chat else 'completion'} mode); "
           f"empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -120,6 +127,17 @@ def run(args) -> int:
             return 1
         if chat:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+
+
+def _with_images(llm, prompt: str, images: list[str] | None) -> str:
+    """The prompt with the model's image token for each image in front, unless it holds them already."""
+    if not images:
+        return prompt
+    mm = llm.engine.mm
+    if mm is None:
+        raise ValueError(f"--image: {llm.files.name} takes no images")
+    token = llm.tokenizer.convert_ids_to_tokens(mm.image_token_id)
+    return prompt if token in prompt else " ".join([token] * len(images) + [prompt])
 
 
 class PromptTooLong(ValueError):
@@ -181,12 +199,13 @@ def _load(args):
     return llm
 
 
-def _generate(llm, ids: list[int], params) -> str | None:
+def _generate(llm, request: list[int] | dict, params) -> str | None:
     """The reply (streamed to stdout), or None when the model's logits went NaN / infinite (said on stderr)."""
     t0 = time.perf_counter()
     first = None
-    text, n = "", 0
-    for out in llm.stream([ids], params):
+    text, n, ids = "", 0, request
+    for out in llm.stream([request], params):
+        ids = out.prompt_token_ids
         if first is None:
             first = time.perf_counter()
         sys.stdout.write(out.delta_text)

@@ -95,6 +95,22 @@ def placeholder_ranges(token_ids: list[int], image_token_id: int, lengths: list[
     return out
 
 
+def expand_placeholders(token_ids: list[int], image_token_id: int, lengths: list[int]) -> list[int]:
+    """Token ids holding one image token per image (a chat template's output, say) with each one repeated
+    to its image's length, as the processor expands text; ids already expanded (or not one per image) as
+    they are."""
+    if sum(lengths) == len(lengths) or sum(t == image_token_id for t in token_ids) != len(lengths):
+        return token_ids
+    out, k = [], 0
+    for t in token_ids:
+        if t == image_token_id:
+            out += [t] * lengths[k]
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
 def block_extra_keys(items: list[ImageItem], start: int, end: int) -> tuple:
     """(hash, offset) of every image whose placeholders overlap the token range [start, end)."""
     return tuple((it.hash, it.offset) for it in items if it.offset < end and start < it.offset + it.length)
@@ -185,6 +201,7 @@ class MultiModal:
             raise ValueError(f"request {request_id!r}: the processor refused its images or prompt: {e}") from e
         per_image = self.model.split_images(out)
         lengths = [int(self.model.num_image_tokens(d)) for d in per_image]
+        token_ids = expand_placeholders(token_ids, self.image_token_id, lengths)
         ranges = placeholder_ranges(token_ids, self.image_token_id, lengths, request_id)
         return token_ids, [ImageItem(d, content_hash(d, self.settings), off, n)
                            for d, (off, n) in zip(per_image, ranges)]
