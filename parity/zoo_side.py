@@ -117,8 +117,9 @@ class ZooSide:
             steps.append({"requests": [int(i) for i in ids], "query_start_loc": step.meta["qsl"],
                           "positions": step.meta["positions"], "taps": step.taps, "experts": step.experts,
                           "present": present})
-        # the tokens each request had computed: prompt + outputs, but the last sampled token never ran
-        tokens = [requests[str(r)].all_token_ids[:-1] for r in range(len(prompts))]
+        # the tokens each request had computed: prompt + outputs, but the last sampled token never ran (and a
+        # request whose logits went NaN sampled none: finish_reason "error")
+        tokens = [requests[str(r)].all_token_ids[:requests[str(r)].num_computed_tokens] for r in range(len(prompts))]
         trace = from_steps(steps, cap.order + [LOGITS, SAMPLED], tokens)
         cached = {int(rid): n for rid, n in first_computed.items()}
         outs = {int(rid): list(req.output_token_ids) for rid, req in requests.items()}

@@ -5,13 +5,13 @@ import importlib
 import importlib.metadata
 import json
 import os
-import traceback
 from pathlib import Path
 from types import ModuleType
 
 import pluggy
 
 from registry import hookspecs
+from registry.errors import PluginError, RegistryError, describe
 from registry.spec import ArchSpec
 
 BUILTIN_PLUGINS = (
@@ -39,14 +39,6 @@ BUILTIN_PLUGINS = (
     "plugins.starcoder2",
 )
 ENTRY_POINT_GROUP = "zoo"
-
-
-class RegistryError(Exception):
-    """A conflict between plugins, or a plugin that does not follow the hook contract."""
-
-    def __init__(self, message: str, *, conflicts: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.conflicts = conflicts  # architectures claimed by two plugins
 
 
 class UnsupportedArchitecture(LookupError):
@@ -91,12 +83,12 @@ class Registry:
             if impl is not None:
                 impl(register=register)
             self.specs = _table({**self._by_plugin, name: new})
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin calling sys.exit spoils nothing either
             if self.pm.get_plugin(name) is not None:
                 self.pm.unregister(name=name)
             if isinstance(e, RegistryError):
                 raise
-            raise RegistryError(f"plugin {name!r}: {type(e).__name__}: {e}") from e
+            raise RegistryError(f"plugin {name!r}: {describe(e)}") from e
         self._by_plugin[name] = new
 
     def unregister_plugin(self, name: str) -> None:
@@ -109,18 +101,21 @@ class Registry:
         self._load(name or module, lambda: importlib.import_module(module))
 
     def _load_entry_points(self) -> None:
-        allow = os.environ.get("ZOO_PLUGINS")
-        allowed = None if allow is None else {p.strip() for p in allow.split(",") if p.strip()}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        allowed = allowed_plugins()
+        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in eps:
             if allowed is None or ep.name in allowed:
                 self._load(ep.name, ep.load)
+        for name in unknown_plugins(allowed, eps):
+            self.failures[name] = LookupError(unknown_plugin_message(name, eps))
 
     def _load(self, name: str, importer) -> None:
         """Import and register one plugin; a failure is kept (and shown by `zoo list` and by the error
-        for an architecture that is missing), never raised, so one broken plugin spoils nothing else."""
+        for an architecture that is missing), never raised, so one broken plugin spoils nothing else.
+        A plugin calling sys.exit while it imports is such a failure too."""
         try:
             self.register_plugin(importer(), name=name)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # noqa: BLE001
             self.failures[name] = e.__cause__ if isinstance(e, RegistryError) and e.__cause__ else e
             for arch in getattr(e, "conflicts", ()):
                 self.conflicts[arch] = str(e)
@@ -155,15 +150,44 @@ class Registry:
         raise UnsupportedArchitecture(self._unsupported_message(wanted), dict(self.failures))
 
     def _unsupported_message(self, wanted: list[str]) -> str:
-        lines = [f"unsupported architecture {', '.join(wanted)}; supported: {', '.join(sorted(self.specs))}"]
-        for name, exc in self.failures.items():
-            tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            lines.append(f"plugin {name!r} failed to import: {tb}")
-        return "\n".join(lines)
+        """One line: what was asked, what is served, and every plugin that failed to load (it may have served it)."""
+        parts = [f"unsupported architecture {', '.join(wanted)}; supported: {', '.join(sorted(self.specs))}"]
+        parts += [f"plugin {name!r} failed to load: {describe(exc)}" for name, exc in self.failures.items()]
+        return "; ".join(parts)
+
+    def status(self, architecture: str) -> tuple[str, str | None]:
+        """('ok' | 'conflict' | 'import error', the one-line detail or None) for a registered architecture; imports
+        its model class (`zoo list` shows this)."""
+        if architecture in self.conflicts:
+            return "conflict", self.conflicts[architecture]
+        try:
+            self.specs[architecture].model_class()
+        except PluginError as e:
+            return "import error", str(e)
+        return "ok", None
 
     def table(self) -> list[tuple[str, str, str, str]]:
         """(architecture, family, plugin, model class) rows, sorted by architecture."""
         return [(a, s.family, s.plugin, s.model) for a, s in sorted(self.specs.items())]
+
+
+def allowed_plugins() -> set[str] | None:
+    """The entry-point plugins ZOO_PLUGINS=a,b allows (None: all of them)."""
+    allow = os.environ.get("ZOO_PLUGINS")
+    return None if allow is None else {p.strip() for p in allow.split(",") if p.strip()}
+
+
+def unknown_plugins(allowed: set[str] | None, eps=None) -> list[str]:
+    """Names in ZOO_PLUGINS that no installed entry point of group "zoo" has."""
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps
+    return sorted((allowed or set()) - {ep.name for ep in eps})
+
+
+def unknown_plugin_message(name: str, eps=None) -> str:
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps
+    installed = ", ".join(sorted({ep.name for ep in eps})) or "none"
+    return (f"ZOO_PLUGINS names {name!r}, but no installed package has an entry point {name!r} in group "
+            f"{ENTRY_POINT_GROUP!r} (installed: {installed})")
 
 
 def _table(by_plugin: dict[str, list[ArchSpec]]) -> dict[str, ArchSpec]:
@@ -177,8 +201,9 @@ def _table(by_plugin: dict[str, list[ArchSpec]]) -> dict[str, ArchSpec]:
                     table[arch] = spec
                 elif not old.override or spec.override:
                     raise RegistryError(
-                        f"architecture {arch!r} is claimed by two plugins: {old.plugin!r} and {spec.plugin!r}; "
-                        f"set override=True in one ArchSpec to say which one serves it",
+                        f"architecture {arch!r} is claimed by two plugins: {old.plugin!r} and {spec.plugin!r}, so "
+                        f"neither serves it; to resolve, set override=True in the ArchSpec of the one that should "
+                        f"serve it, or uninstall one (ZOO_PLUGINS=a,b loads only the entry-point plugins named)",
                         conflicts=(arch,),
                     )
     return table

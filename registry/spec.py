@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from loader.rules import Rules
+from registry.errors import PluginError, describe
 
 FAMILIES = ("dense", "moe", "mla", "multimodal", "hybrid-ssm")
 
@@ -29,5 +30,25 @@ class ArchSpec:
             raise ValueError(f"ArchSpec {self.architectures}: model {self.model!r} must be 'module:Class'")
 
     def model_class(self) -> type:
+        """The model class, imported now; PluginError naming the plugin, the architecture and the error."""
         module, _, name = self.model.partition(":")
-        return getattr(importlib.import_module(module), name)
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever a plugin's import does, it is reported
+            raise PluginError(f"{self._who()}: model {self.model!r} does not import: {describe(e)}") from e
+        if not isinstance(cls, type):
+            raise PluginError(f"{self._who()}: model {self.model!r} is a {type(cls).__name__}, not a class")
+        return cls
+
+    def build(self, config):
+        """The model class constructed for `config` (on the current default device: callers use meta);
+        an exception in the constructor becomes a PluginError naming the file:line of the raise."""
+        cls = self.model_class()
+        try:
+            return cls(config)
+        except (Exception, SystemExit) as e:  # noqa: BLE001
+            raise PluginError(f"{self._who()}: the model constructor {cls.__name__}(config) raised {describe(e)}"
+                              ) from e
+
+    def _who(self) -> str:
+        return f"plugin {self.plugin or '?'!r}, architecture {self.architectures[0]!r}"

@@ -37,7 +37,7 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
         except ValueError as e:
             raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
     with torch.device("meta"):
-        model = spec.model_class()(config)
+        model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
     # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
     report = loader.load(model, source, rules_for(spec, model), dtype=dtype, device=device, check_finite=True)
     return model.eval(), config, spec, report

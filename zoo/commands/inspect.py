@@ -79,9 +79,9 @@ def _build(source, use_transformers: bool):
     spec = get_registry().resolve(config)
     if spec.validate is not None:
         spec.validate(config)
-    cls = spec.model_class()
     with torch.device("meta"):
-        model = cls(config)
+        model = spec.build(config)  # (a PluginError is a ValueError: one line, exit 2)
+    cls = type(model)
     from zoo.build import rules_for
 
     return model, rules_for(spec, model), f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"

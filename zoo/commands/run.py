@@ -175,7 +175,7 @@ def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
 
 def _load(args):
     from loader import LoadError
-    from registry import UnsupportedArchitecture
+    from registry import RegistryError, UnsupportedArchitecture
     from zoo.build import exit_status
     from zoo.default_model import DefaultModelMissing
     from zoo.runtime.llm import LLM
@@ -185,7 +185,7 @@ def _load(args):
     try:
         progress("starting")
         llm = LLM(args.model, dtype=args.dtype, progress=progress)
-    except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, OSError) as e:
+    except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError) as e:
         progress.done("failed")
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
     except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)
