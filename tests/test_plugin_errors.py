@@ -5,6 +5,7 @@ status per architecture; `zoo --help` survives a broken command. The commands of
 subprocess (calling zoo.cli.main in turn, a fresh registry each) to keep this cheap."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -96,11 +97,7 @@ def site(tmp_path_factory):
     base = save_chat_model(root / "llama")
     ckpts = {"llama": base}
     for arch in ("MissingForCausalLM", "RaisingForCausalLM", "DivideForCausalLM"):
-        ckpt = root / arch
-        ckpt.mkdir()
-        for f in base.iterdir():
-            (ckpt / f.name).symlink_to(f)
-        (ckpt / "config.json").unlink()
+        ckpt = shutil.copytree(base, root / arch)
         cfg = json.loads((base / "config.json").read_text())
         (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
         ckpts[arch] = ckpt
