@@ -57,6 +57,7 @@ class NormHooks:
 
 class LlamaAttention(nn.Module):
     norm_class = RMSNorm  # of the optional q/k norms
+    qk_norm_names = ("q_norm", "k_norm")  # their checkpoint names
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope: RotaryEmbedding | None, scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
@@ -76,14 +77,17 @@ class LlamaAttention(nn.Module):
                               softcap=softcap, prefix=f"{prefix}.attn")
 
     def make_qk_norms(self, eps: float) -> None:
-        """q_norm, k_norm: per-head norms on the head dim (Qwen3, Gemma3), applied before the rotation."""
-        self.q_norm = self.norm_class(self.head_dim, eps=eps)
-        self.k_norm = self.norm_class(self.head_dim, eps=eps)
+        """The q and k norms (named qk_norm_names): one norm on the head dim shared by every head (Qwen3,
+        Gemma3, Phi), applied before the rotation."""
+        q_name, k_name = self.qk_norm_names
+        setattr(self, q_name, self.norm_class(self.head_dim, eps=eps))
+        setattr(self, k_name, self.norm_class(self.head_dim, eps=eps))
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, KV, D] normed (when the attention has q/k norms), same shapes."""
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_name, k_name = self.qk_norm_names
+        if hasattr(self, q_name):
+            q, k = getattr(self, q_name)(q), getattr(self, k_name)(k)
         return q, k
 
     def cache_spec(self) -> CacheSpec:
@@ -146,6 +150,18 @@ class LlamaDecoderLayer(NormHooks, nn.Module):
         hidden_states = hidden_states + h
         h = self.mlp(self.post_attention_layernorm(hidden_states))  # [T, H]
         return hidden_states + h
+
+
+class ParallelDecoderLayer(LlamaDecoderLayer):
+    """x + attn(norm(x)) + mlp(norm(x)): attention and MLP read one normed input (Cohere, Phi, StableLM's
+    use_parallel_residual)."""
+
+    def make_norms(self, config) -> None:
+        self.input_layernorm = self.make_norm(config, config.hidden_size)  # diff with Llama: one norm
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(hidden_states)  # [T, H]
+        return hidden_states + self.self_attn(positions, h, batch) + self.mlp(h)  # [T, H]
 
 
 class LlamaModel(NormHooks, nn.Module):

@@ -37,6 +37,9 @@ BUILTIN_PLUGINS = (
     "plugins.granite",
     "plugins.smollm3",
     "plugins.starcoder2",
+    "plugins.stablelm",
+    "plugins.cohere",
+    "plugins.phi",
 )
 ENTRY_POINT_GROUP = "zoo"
 

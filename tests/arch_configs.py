@@ -46,4 +46,20 @@ REAL_CONFIGS = {
         max_position_embeddings=16384, norm_epsilon=1e-05, num_attention_heads=24, num_hidden_layers=30,
         num_key_value_heads=2, rope_theta=999999.4420358813, sliding_window=4096, use_bias=True, vocab_size=49152,
         bos_token_id=0, eos_token_id=0),
+    "StableLmForCausalLM": dict(  # stabilityai/stablelm-2-1_6b
+        model_type="stablelm", hidden_act="silu", hidden_size=2048, intermediate_size=5632, layer_norm_eps=1e-05,
+        max_position_embeddings=4096, num_attention_heads=32, num_hidden_layers=24, num_key_value_heads=32,
+        partial_rotary_factor=0.25, qk_layernorm=False, rope_theta=10000, tie_word_embeddings=False,
+        use_parallel_residual=False, use_qkv_bias=True, vocab_size=100352, bos_token_id=100257,
+        eos_token_id=100257),
+    "CohereForCausalLM": dict(  # CohereForAI/c4ai-command-r-v01
+        model_type="cohere", attention_bias=False, hidden_act="silu", hidden_size=8192, intermediate_size=22528,
+        layer_norm_eps=1e-05, logit_scale=0.0625, max_position_embeddings=8192, num_attention_heads=64,
+        num_hidden_layers=40, num_key_value_heads=64, rope_theta=8000000.0, use_qk_norm=False, vocab_size=256000,
+        bos_token_id=5, eos_token_id=255001, pad_token_id=0),
+    "PhiForCausalLM": dict(  # microsoft/phi-2
+        model_type="phi", hidden_act="gelu_new", hidden_size=2560, intermediate_size=10240, layer_norm_eps=1e-05,
+        max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=32,
+        partial_rotary_factor=0.4, qk_layernorm=False, rope_theta=10000.0, tie_word_embeddings=False,
+        vocab_size=51200, bos_token_id=50256, eos_token_id=50256),
 }

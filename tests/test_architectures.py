@@ -22,6 +22,10 @@ from zoo.runtime.engine import LLMEngine
 from zoo.runtime.sampling_params import SamplingParams
 
 ISSUE16 = list(REAL_CONFIGS)
+# second configurations of an architecture whose other structure the tiny_configs entry does not take
+VARIANTS = {
+    "stablelm-parallel-residual": ("StableLmForCausalLM", dict(use_parallel_residual=True, qk_layernorm=False)),
+}
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 12, 64, 31, 9, 100, 23, 54], [11, 22, 33, 44, 55], [7, 3, 120]]
 STEPS = 12
 _built: dict[str, tuple] = {}
@@ -42,6 +46,16 @@ def built(request, tmp_path_factory):
 def test_greedy_tokens_equal_transformers(built):
     arch, _, model, ref = built
     greedy_equal(arch, model, ref, PROMPTS)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_passes_parity_and_greedy(name, tmp_path):
+    arch, overrides = VARIANTS[name]
+    path = save_tiny(arch, tmp_path, randomize=True, **{**WIDE, **overrides})
+    result = run_parity(path)
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
+    model, *_ = build_model(path)
+    greedy_equal(arch, model, load_reference(path), PROMPTS)
 
 
 def greedy_equal(arch, model, ref, prompts):

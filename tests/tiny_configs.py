@@ -58,6 +58,10 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     "SmolLM3ForCausalLM": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=False),
     "Starcoder2ForCausalLM": dict(sliding_window=6, norm_epsilon=1e-5, use_bias=True,
                                   hidden_act="gelu_pytorch_tanh"),
+    "StableLmForCausalLM": dict(partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True),
+    "CohereForCausalLM": dict(use_qk_norm=True, logit_scale=0.5, attention_bias=True, tie_word_embeddings=True),
+    "PhiForCausalLM": dict(num_key_value_heads=4, partial_rotary_factor=0.5, qk_layernorm=True,
+                           hidden_act="gelu_new"),
 }
 
 

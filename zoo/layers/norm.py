@@ -8,6 +8,8 @@ Shape legend:
     GemmaRMSNorm      rms(x) * (1 + w) in float32 (Gemma; the checkpoint stores w - 1)
     LayerNorm         (x - mean) / std * w (+ b), with or without a bias; a weight of shape (n, D) holds one
                       row per head (Cohere's per-head q/k norms), still normalising over D only
+    PerHeadNorm       one LayerNorm per head stored as `norms.{h}.weight` (StableLM), held as norms.weight [n, D]
+                      (the loader's Stack("norms") rule fills row h)
 
 Fast path (float32, CPU, no autograd): `zoo.kernels.rms_norm`, one pass per row; the mean of squares is
 summed in another order than torch's, so results agree to float32 rounding, not bit for bit.
@@ -85,3 +87,14 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class PerHeadNorm(nn.Module):
+    """StableLM's q/k norms: a bias-free LayerNorm per head, `norms.{h}.weight` in the checkpoint."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.norms = LayerNorm((num_heads, head_dim), eps, bias=False)  # weight [n, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norms(x)  # [T, n, D]
