@@ -25,6 +25,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3_moe",
     "plugins.olmoe",
     "plugins.llava",
+    "plugins.qwen2_vl",
     "plugins.deepseek",
     "plugins.mamba2",
     "plugins.bamba",

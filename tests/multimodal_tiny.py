@@ -94,3 +94,53 @@ def drawn_image(seed: int, size: tuple[int, int] = (48, 36)) -> Image.Image:
         box = (x0, y0, x0 + int(rng.integers(4, w)), y0 + int(rng.integers(4, h)))
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
     return im
+
+
+QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE_TOKEN_ID = len(WORDS) + 2
+QWEN_VISION = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, patch_size=4, temporal_patch_size=2,
+                   spatial_merge_size=2)
+
+
+def save_tiny_qwen2_vl(path: str | Path, *, seed: int = 0, randomize: bool = True, vision: dict | None = None,
+                       **text_overrides) -> Path:
+    """A random-weight Qwen2-VL (4x4 patches, 2x2 merge, at most 32x32 pixels: up to 16 image tokens) with its
+    image processor and tokenizer (its processor class wants torchvision for videos: the runtime takes the
+    image processor alone)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    tok = word_tokenizer(QWEN_SPECIAL)
+    ids = tok.convert_tokens_to_ids(QWEN_SPECIAL)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text = {**BASE, "vocab_size": len(tok), "initializer_range": 0.2, "rope_parameters": rope, **text_overrides}
+    vc = {**QWEN_VISION, "hidden_size": text["hidden_size"], **(vision or {})}
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vc, vision_start_token_id=ids[0],
+                                        vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    if randomize:
+        from parity.tiny import randomize_constants
+
+        randomize_constants(model, seed=seed)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                             size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}).save_pretrained(path)
+    return path
+
+
+def qwen2_vl_inputs(path: str | Path, text: str, images: list) -> dict:
+    """What Qwen2VLProcessor would give transformers: each <|image_pad|> expanded to its image's tokens."""
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tok.encode(text)
+    out = {}
+    if images:
+        out = dict(processor(images=images, return_tensors="pt"))
+        counts = iter((g.prod() // 4).item() for g in out["image_grid_thw"])
+        ids = [t for i in ids for t in ([i] * next(counts) if i == QWEN_IMAGE_TOKEN_ID else [i])]
+    input_ids = torch.tensor([ids])
+    return {**out, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "mm_token_type_ids": (input_ids == QWEN_IMAGE_TOKEN_ID).int()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from multimodal_tiny import save_tiny_llava
+from multimodal_tiny import save_tiny_llava, save_tiny_qwen2_vl
 from tiny import save_tiny
 
 WIDE = dict(initializer_range=0.2)  # weights large enough that attention is far from uniform
@@ -36,6 +36,7 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
     "DeepseekV2ForCausalLM": dict(topk_method="group_limited_greedy", topk_group=1, num_experts_per_tok=2, **MLA),
     "DeepseekV3ForCausalLM": dict(topk_group=2, num_experts_per_tok=3, norm_topk_prob=True, **MLA),
     "LlavaForConditionalGeneration": save_tiny_llava,  # Llama text, CLIP features from layer -2
+    "Qwen2VLForConditionalGeneration": save_tiny_qwen2_vl,  # M-RoPE text (text-only prompts here)
     # hybrid SSM: scan chunks of 8, so the default prompts span several chunks and the chunked scenario's
     # boundaries fall inside them
     "Mamba2ForCausalLM": dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8, expand=2),

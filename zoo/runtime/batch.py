@@ -91,6 +91,7 @@ class ForwardBatch:
     state_indices_cpu: list[int] = field(default_factory=list)  # [B]
     mm_embeds: torch.Tensor | None = None  # [M, H] multimodal: encoder outputs to merge
     mm_positions: torch.Tensor | None = None  # [M] rows of the step that are placeholders
+    mrope_positions: torch.Tensor | None = None  # [3, T] M-RoPE (Qwen2-VL): temporal, height, width positions
 
     @property
     def num_tokens(self) -> int:

@@ -121,7 +121,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device, state_specs=self.state_specs,
                                   num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots)
         # images: the checkpoint's processor (AutoProcessor) and an encoder cache of encoder_cache_rows rows
-        self.mm = MultiModal(model, processor, encoder_cache_rows=encoder_cache_rows) \
+        self.mm = MultiModal(model, processor, tokenizer=tokenizer, encoder_cache_rows=encoder_cache_rows) \
             if MultiModal.supports(model) else None
         self.runner.mm = self.mm
         self.kv_bytes_per_token = bytes_per_token(specs)
@@ -171,7 +171,7 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.detokenizers.pop(request_id, None)
         if self.mm is not None:
-            self.mm.cache.release_request(request_id)
+            self.mm.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -203,7 +203,7 @@ class LLMEngine:
         if self.mm is not None:
             for req in reqs:
                 if req.finished:
-                    self.mm.cache.release_request(req.request_id)
+                    self.mm.release(req.request_id)
         return outputs
 
     def _output(self, req: Request, token: int | None) -> RequestOutput:

@@ -274,6 +274,9 @@ def load_processor(files: ModelFiles):
     if files.is_gguf or not any((files.directory / f).exists()
                                 for f in ("preprocessor_config.json", "processor_config.json")):
         return None
-    from transformers import AutoProcessor
+    from transformers import AutoImageProcessor, AutoProcessor
 
-    return AutoProcessor.from_pretrained(files.directory)
+    try:
+        return AutoProcessor.from_pretrained(files.directory)
+    except (ImportError, ValueError, OSError, AttributeError):  # e.g. a video processor that wants torchvision:
+        return AutoImageProcessor.from_pretrained(files.directory)  # the images' own, text expanded by the runtime

@@ -101,6 +101,7 @@ class ModelRunner:
             batch.state_indices = torch.tensor(batch.state_indices_cpu, dtype=torch.int64, device=dev)
         if self.mm is not None:  # image features for the placeholder rows this step covers (encoded if new)
             batch.mm_positions, batch.mm_embeds = self.mm.gather(out.scheduled, qsl)  # [M], [M, H]
+            batch.mrope_positions = self.mm.positions_3d(out.scheduled, dev)  # [3, T] or None
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
         return input_ids, positions_t, batch
 

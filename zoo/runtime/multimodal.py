@@ -170,13 +170,15 @@ class MultiModal:
 
     DEFAULT_BUDGET = 8192  # feature rows kept (e.g. 14 LLaVA-1.5 images of 576 rows)
 
-    def __init__(self, model, processor=None, *, encoder_cache_rows: int | None = None):
+    def __init__(self, model, processor=None, *, tokenizer=None, encoder_cache_rows: int | None = None):
         self.model, self.processor = model, processor
+        self.tokenizer = getattr(processor, "tokenizer", None) or tokenizer  # for an image processor alone
         self.image_token_id = model.image_token_id
         image_processor = getattr(processor, "image_processor", processor)
         self.settings = image_processor.to_json_string() if image_processor is not None else ""
         self.cache = EncoderCache(encoder_cache_rows or self.DEFAULT_BUDGET)
         self.encoder_runs = 0  # images encoded (cache misses that ran the encoder)
+        self.mrope: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
 
     @staticmethod
     def supports(model) -> bool:
@@ -190,12 +192,17 @@ class MultiModal:
             raise ValueError(f"request {request_id!r}: images need the model's processor (preprocessor_config.json)")
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         loaded = [load_image(im, request_id, i) for i, im in enumerate(images)]
+        image_processor = getattr(self.processor, "image_processor", self.processor)
         try:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and image_processor is not self.processor:  # a processor with its tokenizer
                 out = self.processor(text=[prompt], images=loaded, return_tensors="pt")
                 token_ids = out["input_ids"][0].tolist()
+            elif isinstance(prompt, str):  # an image processor alone: one image token per image, expanded below
+                if self.tokenizer is None:
+                    raise ValueError("a text prompt needs a tokenizer")
+                out = image_processor(images=loaded, return_tensors="pt")
+                token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
             else:
-                image_processor = getattr(self.processor, "image_processor", self.processor)
                 out, token_ids = image_processor(images=loaded, return_tensors="pt"), list(prompt)
         except (ValueError, TypeError, OSError) as e:
             raise ValueError(f"request {request_id!r}: the processor refused its images or prompt: {e}") from e
@@ -203,8 +210,31 @@ class MultiModal:
         lengths = [int(self.model.num_image_tokens(d)) for d in per_image]
         token_ids = expand_placeholders(token_ids, self.image_token_id, lengths)
         ranges = placeholder_ranges(token_ids, self.image_token_id, lengths, request_id)
-        return token_ids, [ImageItem(d, content_hash(d, self.settings), off, n)
-                           for d, (off, n) in zip(per_image, ranges)]
+        items = [ImageItem(d, content_hash(d, self.settings), off, n) for d, (off, n) in zip(per_image, ranges)]
+        if callable(getattr(self.model, "mrope_positions", None)):
+            self.mrope[request_id] = self.model.mrope_positions(len(token_ids), items)
+        return token_ids, items
+
+    def release(self, request_id: str) -> None:
+        """A request ended: its encoder-cache holds and positions go."""
+        self.cache.release_request(request_id)
+        self.mrope.pop(request_id, None)
+
+    def positions_3d(self, scheduled, device) -> torch.Tensor | None:
+        """M-RoPE positions [3, T] of the step (None for a model without them): a prompt's are sliced from
+        those computed at admission, a generated token's at context position p are p + delta on each axis."""
+        if not callable(getattr(self.model, "mrope_positions", None)):
+            return None
+        parts = []
+        for s in scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            prompt, delta = self.mrope.get(s.request.request_id, (None, 0))
+            n = 0 if prompt is None else prompt.shape[1]
+            if start < n:
+                parts.append(prompt[:, start:min(end, n)])  # [3, <= end - start]
+            if end > max(start, n):
+                parts.append(torch.arange(max(start, n), end).expand(3, -1) + delta)
+        return torch.cat(parts, dim=1).to(device)  # [3, T]
 
     # -- one step ---------------------------------------------------------------------------------------
     def gather(self, scheduled, query_start_loc: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
