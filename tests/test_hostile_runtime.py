@@ -210,3 +210,78 @@ def test_cli_empty_prompt_and_looping_template_are_usage_errors(chat_dir, tmp_pa
     assert time.monotonic() - t0 < 30
     assert "zoo run: error: the chat template of" in err and "within 2 s" in err and "Traceback" not in err
     assert main(["run", str(looping), "--prompt", "w1", "--max-tokens", "2", "--no-chat"]) == 0  # the way out
+
+
+# -- the native kernels' wrappers -------------------------------------------------------------------------
+KERNEL_CASES = r'''
+import json, torch
+from zoo import kernels
+from zoo.layers.linear import Linear
+from zoo.layers.norm import RMSNorm
+from zoo.runtime.batch import ForwardBatch
+assert kernels.enabled(), "the native kernels did not build: this test would check nothing"
+torch.set_grad_enabled(False)
+f, i = torch.randn, torch.arange
+batch = ForwardBatch(query_start_loc=torch.tensor([0, 2], dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
+                     positions=i(2), slot_mapping=i(2), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                     logits_indices=i(1), kv_caches={}, block_size=4, query_start_loc_cpu=[0, 2], seq_lens_cpu=[2])
+def attn(q, k, v, cache):
+    return kernels.attention(q, k, v, cache, batch, scale=1.0, sliding_window=None, softcap=None)
+lin, norm = Linear(4, 3, bias=True), RMSNorm(8, eps=1e-6)
+torch.nn.init.normal_(lin.weight); torch.nn.init.normal_(lin.bias)
+cases = {
+    "linear in-features": lambda: kernels.linear(f(2, 5), f(3, 4)),
+    "linear short bias": lambda: kernels.linear(f(2, 4), f(3, 4), f(2)),
+    "linear 1-d weight": lambda: kernels.linear(f(2, 4), f(12)),
+    "linear float64 weight": lambda: kernels.linear(f(2, 4), f(3, 4, dtype=torch.float64)),
+    "linear float16 x": lambda: kernels.linear(f(2, 4, dtype=torch.float16), f(3, 4)),
+    "Linear layer, wrong input": lambda: lin(f(2, 400)),
+    "rms_norm short weight": lambda: kernels.rms_norm(f(2, 64), f(4), 1e-6),
+    "rms_norm float16 weight": lambda: kernels.rms_norm(f(2, 8), f(8, dtype=torch.float16), 1e-6),
+    "RMSNorm layer, wrong input": lambda: norm(f(3, 4096)),
+    "rotary short positions": lambda: kernels.rotary(f(4, 2, 8), f(4, 1, 8), i(2), f(16, 4), f(16, 4)),
+    "rotary float positions": lambda: kernels.rotary(f(4, 2, 8), f(4, 1, 8), i(4).float(), f(16, 4), f(16, 4)),
+    "rotary wide table": lambda: kernels.rotary(f(4, 2, 8), f(4, 1, 8), i(4), f(16, 6), f(16, 6)),
+    "rotary sin != cos": lambda: kernels.rotary(f(4, 2, 8), f(4, 1, 8), i(4), f(16, 4), f(8, 4)),
+    "rotary k of other tokens": lambda: kernels.rotary(f(4, 2, 8), f(2, 1, 8), i(4), f(16, 4), f(16, 4)),
+    "silu_mul odd": lambda: kernels.silu_mul(f(2, 7)),
+    "gelu_tanh_mul float64": lambda: kernels.gelu_tanh_mul(f(2, 8, dtype=torch.float64)),
+    "argmax 1-d": lambda: kernels.argmax(f(5)),
+    "argmax empty vocabulary": lambda: kernels.argmax(f(2, 0)),
+    "attention v != k": lambda: attn(f(2, 4, 8), f(2, 2, 8), f(2, 1, 8), None),
+    "attention heads": lambda: attn(f(2, 3, 8), f(2, 2, 8), f(2, 2, 8), None),
+    "attention cache shape": lambda: attn(f(2, 4, 8), f(2, 2, 8), f(2, 2, 8), f(4, 4, 2, 2, 4)),
+    "attention float64 cache": lambda: attn(f(2, 4, 8), f(2, 2, 8), f(2, 2, 8), f(4, 4, 2, 2, 8, dtype=torch.float64)),
+}
+out = {}
+for name, call in cases.items():
+    try:
+        call()
+        out[name] = "no error"
+    except ValueError as e:
+        out[name] = "ValueError: " + str(e)
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+ok = [kernels.linear(f(2, 4), f(3, 4), f(3)).shape, kernels.rms_norm(f(2, 3, 8), f(8), 1e-6).shape,
+      attn(f(2, 4, 8), f(2, 2, 8), f(2, 2, 8), torch.zeros(4, 4, 2, 2, 8)).shape]
+print(json.dumps({"cases": out, "ok": [list(s) for s in ok]}))
+'''
+
+
+def test_kernel_wrappers_refuse_what_would_read_out_of_bounds():
+    """In a subprocess: a wrapper that let one of these through could crash the process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", KERNEL_CASES], capture_output=True, text=True, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] == [[2, 3], [2, 3, 8], [2, 32]]
+    for name, got in result["cases"].items():
+        fn = name.split()[0].lower().replace("layer,", "")
+        assert got.startswith("ValueError: kernels."), (name, got)
+        assert fn in got or name.endswith("layer, wrong input") or fn in ("silu_mul", "gelu_tanh_mul"), (name, got)

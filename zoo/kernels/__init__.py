@@ -48,6 +48,7 @@ _tried = False
 _on = os.environ.get("ZOO_FAST", "1") != "0"
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_F32 = torch.float32
 _SIGNATURES = {
     "zoo_linear": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
@@ -213,6 +214,21 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+# The wrappers check what the C++ cannot (dtypes, devices, shapes, contiguity where a pointer is read with an
+# assumed stride), once per call, so that no call through them reads out of bounds: a ValueError naming the
+# argument instead. (The batch metadata's values are checked in cpu.cpp: check_batch.)
+def _float32(fn: str, names: str, *tensors: torch.Tensor | None) -> None:
+    for i, t in enumerate(tensors):
+        if t is not None and (t.dtype is not _F32 or not t.is_cpu):
+            raise ValueError(f"kernels.{fn}: {names.split()[i]} is {t.dtype} on {t.device}; the native kernels "
+                             f"take float32 CPU tensors (zoo.kernels.fast says when to call them)")
+
+
+def _bad(fn: str, what: str, **shapes) -> ValueError:
+    got = ", ".join(f"{n} {tuple(s)}" for n, s in shapes.items())
+    return ValueError(f"kernels.{fn}: {what} (got {got})")
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x viewed as [rows, last dim] with a unit last stride (a copy only when the view cannot exist)."""
     if x.dim() != 2:
@@ -222,6 +238,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): [..., K] -> [..., N]."""
+    _float32("linear", "x weight bias", x, weight, bias)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or (
+            bias is not None and bias.shape != weight.shape[:1]):
+        raise _bad("linear", "x [..., K], weight [N, K] and bias [N] do not fit", x=x.shape, weight=weight.shape,
+                   **({"bias": bias.shape} if bias is not None else {}))
     n, k = weight.shape
     m = x.numel() // k if k else 0
     if m == 0 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
@@ -235,6 +256,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False) -> torch.Tensor:
     """Llama's `w * (x * r)` or, with gemma, `(x * r) * (1 + w)`; r = rsqrt(mean(x^2) + eps); any leading dims."""
+    _float32("rms_norm", "x weight", x, weight)
+    if x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise _bad("rms_norm", "weight must be [D] for x [..., D]", x=x.shape, weight=weight.shape)
     x2 = _rows(x)
     rows, d = x2.shape
     out = torch.empty(rows, d)
@@ -246,6 +270,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool =
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, n, D] and k [T, m, D] (unit last strides) rotated by the table rows cos/sin [L, F] at positions."""
+    _float32("rotary", "q k cos sin", q, k, cos, sin)
+    if (q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]
+            or positions.shape != q.shape[:1] or positions.is_floating_point() or positions.is_complex()
+            or cos.dim() != 2 or sin.shape != cos.shape or 2 * cos.shape[1] > q.shape[2]):
+        raise _bad("rotary", "expected q [T, n, D], k [T, m, D], integer positions [T], cos = sin [L, F], 2F <= D",
+                   q=q.shape, k=k.shape, positions=positions.shape, cos=cos.shape, sin=sin.shape)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     t, n, d = q.shape
     m = k.shape[1]
     if q.stride(2) != 1:
@@ -275,6 +307,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _act_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
+    _float32("silu_mul / gelu_tanh_mul", "gate_up", gate_up)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise _bad("silu_mul / gelu_tanh_mul", "gate_up must be [..., 2I]", gate_up=gate_up.shape)
     g = _rows(gate_up)
     rows, i = g.shape[0], g.shape[1] // 2
     out = torch.empty(rows, i)
@@ -284,6 +319,9 @@ def _act_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for x [N, V] (unit last stride): the first largest index per row, NaN first as torch."""
+    _float32("argmax", "x", x)
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise _bad("argmax", "x must be [N, V] with V >= 1", x=x.shape)
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib.zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
@@ -324,6 +362,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
               scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D] (unit last strides) -> [T, H * D]: writes k/v to their slots of kv_cache
     [NB, BS, 2, KV, D], then causal attention of each token over its request's context (see cpu.cpp)."""
+    _float32("attention", "q k v kv_cache", q, k, v, kv_cache)
+    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        raise _bad("attention", "expected q [T, H, D], k = v [T, KV, D] with H a multiple of KV", q=q.shape,
+                   k=k.shape, v=v.shape)
+    if kv_cache is not None and (kv_cache.dim() != 5 or kv_cache.shape[2:] != (2, k.shape[1], k.shape[2])):
+        raise _bad("attention", "kv_cache must be [NB, BS, 2, KV, D]", kv_cache=kv_cache.shape, k=k.shape)
     t, h, d = q.shape
     kvh = k.shape[1]
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:

@@ -170,6 +170,9 @@ class FusedDecoder:
                 layer.cos, layer.sin = tables[i][0].data_ptr(), tables[i][1].data_ptr()
         cos, sin = tables[0]
         table_len = min(c.shape[0] for c, _ in tables)
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"fused forward: input_ids {tuple(input_ids.shape)} and positions "
+                             f"{tuple(positions.shape)} must both be [T]")
         ids = kernels._int(input_ids, torch.int64)
         pos = kernels._int(positions, torch.int64)
         rows = kernels._int(batch.logits_indices, torch.int64)
