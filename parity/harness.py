@@ -27,6 +27,7 @@ import torch
 
 from parity import SCENARIOS
 from parity.compare import Comparison, compare, first_divergence, verdict
+from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
 from parity.taps import LOGITS, reference_taps
@@ -90,6 +91,7 @@ class ParityResult:
     scenarios: dict[str, ScenarioResult]
     meta: dict
     hints: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # {"notes", "exercised", "not_exercised"}: see parity/inputs.py
 
     @property
     def passed(self) -> bool:
@@ -197,10 +199,16 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             if exit_status(e) == 1:
                 raise ZooLoadFailure(model, e) from None
             raise ParityUsageError(f"{model}: {e}") from None
+    user_given = prompts is not None or prompts_file is not None
     if prompts is None and prompts_file is not None:
         prompts, prompt_texts = read_prompts(prompts_file, tokenizer)
     elif prompts is None:
         prompts, prompt_texts = default_prompts(tokenizer, config.get_text_config().vocab_size, seed)
+    if user_given:  # refused before anything loads
+        unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
+        bad = {i: why for i, p in enumerate(prompts) if (why := why_degenerate(p, unk))}
+        if bad:
+            raise ParityUsageError(degenerate_message(bad))
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
 
@@ -222,6 +230,11 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
     family = zoo.spec.family
     tol = tolerances(family, tol_overrides)
+    inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
+                         num_params=sum(p.numel() for p in zoo.model.parameters()), seed=seed, zoo_model=zoo.model)
+    prompts, prompt_texts = inputs.prompts, inputs.texts
+    for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
+        say(note)
     arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
 
     ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
@@ -257,7 +270,8 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         "seconds": round(time.perf_counter() - t0, 3),
         "load_report": str(zoo.load_report),
     }
-    return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints)
+    return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
+                        {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised})
 
 
 

@@ -10,7 +10,7 @@ import json
 import math
 
 from parity.harness import ParityResult
-from parity.report import scenario_dict
+from parity.report import input_lines, scenario_dict
 from parity.taps import short
 
 
@@ -44,6 +44,7 @@ svg text {{ font: 10px monospace; fill: #333; }}
 <body data-rendered="false">
 <h1>zoo parity: {title} <span class="{cls}">{verdict}</span></h1>
 <p>{meta}</p>
+{inputs}
 {sections}
 <script type="application/json" id="parity-data">{data}</script>
 <script>
@@ -160,7 +161,9 @@ def render(result: ParityResult) -> str:
     payload = json.dumps(data, allow_nan=False).replace("</", "<\\/")  # never closes the script element early
     return PAGE.format(title=html.escape(f"{result.architecture} ({result.model})"),
                        cls="pass" if result.passed else "fail", verdict="PASS" if result.passed else "DIVERGES",
-                       meta=html.escape(info), sections="\n".join(sections), data=payload)
+                       meta=html.escape(info), inputs="\n".join(f'<p class="hint">{html.escape(line)}</p>'
+                                                                  for line in input_lines(result)),
+                       sections="\n".join(sections), data=payload)
 
 
 def write_html(result: ParityResult, path) -> None:

@@ -4,6 +4,7 @@ JSON layout (every number float64 rounded to 6 significant digits; null = positi
 the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/Inf at a compared position):
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
      dtype, seed, ...}, "prompts": [[ids]], "prompt_texts", "hints",
+     "inputs": {"notes": [prompts the harness replaced or added], "exercised", "not_exercised": [features]},
      "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",
         "taps": [{"name", "role", "layer", "worst": {...}, "rel_l2": [[per position] per request],
                   "cosine": [...], "max_abs": [...], "experts"?: [...]}],        (execution order)
@@ -65,6 +66,7 @@ def to_json(result: ParityResult) -> dict:
         "model": result.model, "architecture": result.architecture, "family": result.family,
         "passed": result.passed, "tolerances": result.tol, "meta": result.meta,
         "prompts": result.prompts, "prompt_texts": result.prompt_texts, "hints": result.hints,
+        "inputs": result.inputs,
         "scenarios": {name: scenario_dict(s) for name, s in result.scenarios.items()},
     }
 
@@ -96,6 +98,7 @@ def format_summary(result: ParityResult) -> str:
     if missing:
         lines.insert(2, f"not compared (no zoo module joins these reference taps; see parity_taps in parity/taps.py): "
                         f"{', '.join(missing)}")
+    lines[2:2] = input_lines(result)
     rows = []
     for name, s in result.scenarios.items():
         cmp = s.comparison
@@ -139,6 +142,13 @@ def format_summary(result: ParityResult) -> str:
     lines += ["", "PASS" if result.passed else "DIVERGES: " + ", ".join(n for n, s in result.scenarios.items()
                                                                         if not s.passed)]
     return "\n".join(lines)
+
+
+def input_lines(result: ParityResult) -> list[str]:
+    """What the harness did to its inputs and which length-dependent features they do not reach."""
+    inputs = result.inputs or {}
+    return ([f"inputs: {n}" for n in inputs.get("notes", [])] +
+            [f"NOT EXERCISED: {n}" for n in inputs.get("not_exercised", [])])
 
 
 def _nan0(x: float) -> float:

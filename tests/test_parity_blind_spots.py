@@ -1,0 +1,101 @@
+"""The harness's blind spots (issue 12), each shown by a planted bug it once passed or misplaced: degenerate
+prompts, prompts too short for the model's windows, ... Each mutant must fail with the right scenario, layer,
+sub-block and first position, and the hints must name the true cause first."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mutants import BUG_LAYER, planted
+from parity.harness import run_parity
+from tiny import save_tiny
+from zoo.cli import main as zoo_main
+
+L = f"model.layers.{BUG_LAYER}"
+WIDE = dict(initializer_range=0.2, randomize=True)
+
+
+def save_unk_tokenizer(path):
+    """A word-level tokenizer that knows only its special tokens: every word of a text prompt is <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def unk_llama(tmp_path_factory):
+    return save_unk_tokenizer(save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("unk"), **WIDE))
+
+
+# -- 1. degenerate prompts ---------------------------------------------------------------------------------
+def test_degenerate_default_prompts_are_replaced_and_said(unk_llama):
+    """Every default prompt tokenises to <unk> repeated: a wrong rotary half once passed; now the prompts are
+    random ids, the report says so, and the bug is found at its layer and position 1."""
+    result = run_parity(unk_llama, scenarios=("prefill",))
+    assert result.passed, result.scenarios["prefill"].failures
+    notes = result.inputs["notes"]
+    assert len(notes) == 4 and all("the unknown token 3" in n or "repeated" in n for n in notes), notes
+    assert all(len(set(p)) > 1 for p in result.prompts)
+    with planted("rotary_wrong_half"):
+        result = run_parity(unk_llama, scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    assert not s.passed
+    assert (s.first_divergence["tap"], s.first_divergence["position"]) == (f"{L}.self_attn", 1), s.first_divergence
+
+
+def test_degenerate_user_prompts_are_refused(unk_llama, tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("hello there my friend\nthe quick brown fox\n")
+    assert zoo_main(["parity", str(unk_llama), "--prompts", str(tmp_path / "p.txt"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 0: one id (3) repeated 4 times" in err and "rotary and attention bugs cannot show" in err, err
+    (tmp_path / "p.json").write_text(json.dumps([[5, 5, 5, 5, 5, 6], [7, 8, 9]]))
+    assert zoo_main(["parity", str(unk_llama), "--prompts", str(tmp_path / "p.json"), "--quiet"]) == 2
+    assert "prompt 0: 2 distinct ids in 6 tokens" in capsys.readouterr().err
+
+
+# -- 2. prompts too short for the model ----------------------------------------------------------------------
+def test_prompts_are_sized_past_the_sliding_window(tmp_path):
+    """A window of 40 is past every default prompt (<= 29 tokens): the harness adds a 42-token prompt and the
+    one-too-wide window is found in prefill at position 40 of that prompt."""
+    path = save_tiny("MistralForCausalLM", tmp_path, sliding_window=40, **WIDE)
+    with planted("window_off_by_one"):
+        result = run_parity(path, scenarios=("prefill",))
+    assert any("added a prompt of 42 random token ids to reach the sliding window 40" in n
+               for n in result.inputs["notes"]), result.inputs
+    s = result.scenarios["prefill"]
+    first = s.first_divergence
+    assert not s.passed and (first["tap"], first["request"], first["position"]) == (f"{L}.self_attn", 4, 40), first
+    assert "sliding window (40 tokens)" in s.localization.hints[0], s.localization.hints
+
+
+def test_a_feature_over_the_budget_is_reported_not_exercised(tmp_path, capsys):
+    path = save_tiny("MistralForCausalLM", tmp_path, sliding_window=4096, max_position_embeddings=8192, **WIDE)
+    assert zoo_main(["parity", str(path), "--scenario", "prefill", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT EXERCISED: sliding window 4096: needs a prompt of 4098 tokens, over the budget" in out, out
+
+
+def test_longrope_is_reached_past_its_original_length(tmp_path):
+    """Phi-3's long factors act past original_max_position_embeddings (32 here): a 33-token prompt is added."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]}
+    path = save_tiny("LlamaForCausalLM", tmp_path, rope_parameters=rope, **WIDE)
+    result = run_parity(path, scenarios=("prefill", "decode"))
+    assert result.passed, {n: s.failures for n, s in result.scenarios.items()}
+    assert any("rope longrope past 32 positions" in n for n in result.inputs["notes"]), result.inputs
+    assert max(len(p) for p in result.prompts) == 33
+
+
+def test_dynamic_rope_past_the_runtime_length_is_not_exercised(tmp_path):
+    path = save_tiny("LlamaForCausalLM", tmp_path, max_position_embeddings=32,
+                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, **WIDE)
+    result = run_parity(path, scenarios=("prefill",))
+    assert result.passed
+    assert result.inputs["not_exercised"] == ["rope dynamic past 32 positions: needs a prompt of 33 tokens, past the "
+                                              "model's max_position_embeddings 32 (the runtime's longest request)"]
