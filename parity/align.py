@@ -6,8 +6,11 @@ Shape legend:
 
 The reference runs [B, S] batches (one prompt unpadded, or several right-padded with an attention
 mask); `from_padded` keeps row (b, s) for s < length[b] only, so padded positions never reach a
-metric. The zoo runs flattened steps [T]; `from_steps` puts row j of a step at (request, positions[j]),
-request i of the step owning rows query_start_loc[i]:query_start_loc[i+1]. A position the zoo did not
+metric. The zoo runs flattened steps [T]; `from_steps` puts row j of a step at (request, token_index[j]),
+request i of the step owning rows query_start_loc[i]:query_start_loc[i+1], where token_index is the
+scheduler's own accounting (num_computed_tokens + j within the request), never the positions the runtime
+gave the model: a runtime computing wrong positions cannot move or overwrite rows here, it is a finding
+(zoo_side.runtime_findings) and its rows are compared where they belong. A position the zoo did not
 compute in the scenario (a prefix-cache hit) stays absent (`have` False) and is never compared.
 
 Absence is always an explicit mask, never a value: `present[tap]` says, per request and position,
@@ -60,13 +63,14 @@ def from_padded(batches: list[tuple[list[int], int, dict[str, torch.Tensor], dic
 
 def from_steps(steps: list[dict], order: list[str], tokens: list[list[int]]) -> Trace:
     """Zoo steps -> Trace. Each step: {"requests": [r per segment], "query_start_loc": [B+1],
-    "positions": [T] tensor, "taps": {tap: [T, *D]}, "experts": {tap: [T, K]}, and optionally
+    "positions": [T] tensor (used as the token index when the step has no "token_index" [T]),
+    "taps": {tap: [T, *D]}, "experts": {tap: [T, K]}, and optionally
     "present": {tap: [T] bool} for a tap that holds only some rows of the step (the others are absent)}."""
     lengths = [len(t) for t in tokens]
     trace = Trace(order=list(order), lengths=lengths, tokens=[list(t) for t in tokens])
     trace.have = [torch.zeros(n, dtype=torch.bool) for n in lengths]
     for step in steps:
-        qsl, positions = step["query_start_loc"], step["positions"].long()
+        qsl, positions = step["query_start_loc"], step.get("token_index", step["positions"]).long()
         partial = step.get("present", {})
         for tap, x in list(step["taps"].items()) + list(step.get("experts", {}).items()):
             if x.shape[0] != positions.shape[0]:
@@ -76,8 +80,10 @@ def from_steps(steps: list[dict], order: list[str], tokens: list[list[int]]) -> 
                 continue
             a, b = qsl[i], qsl[i + 1]
             pos = positions[a:b]  # [n] positions of this request's rows
-            if int(pos.max()) >= lengths[r]:
-                raise ValueError(f"request {r}: step computed position {int(pos.max())}, beyond its {lengths[r]} tokens")
+            if b == a:
+                continue
+            if int(pos.max()) >= lengths[r] or int(pos.min()) < 0:
+                raise ValueError(f"request {r}: step computed token {int(pos.max())}, beyond its {lengths[r]} tokens")
             trace.have[r][pos] = True
             for out, values in ((trace.rows, step["taps"]), (trace.experts, step.get("experts", {}))):
                 for tap, x in values.items():

@@ -12,6 +12,11 @@ Scenarios (each reported on its own; all run the zoo through its LLMEngine):
     prefix    a prompt, then the same prompt extended, with prefix caching on: the second request
               starts from cached blocks; the positions it computes are compared
     packing   each prompt alone vs all packed together: zoo vs zoo (packing invariance)
+    served    the path users run: the same greedy decode with no hooks on the model (the fused native step
+              where it applies); the logits each request sampled from, at its last token, and its greedy
+              tokens against the reference run on the served tokens
+Rows are placed by the scheduler's accounting (request, token index); positions the runtime gave the model
+that disagree with it, and sampled rows that are not a request's last token, are findings of the scenario.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Callable
 import torch
 
 from parity import SCENARIOS
+from parity.align import Trace
 from parity.compare import Comparison, compare, first_divergence, verdict
 from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
@@ -49,6 +55,7 @@ SCENARIO_HINTS = {
     "prefix": "prefix-cache hit: the cached blocks a request starts from, positions after the hit",
     "packing": "batch packing: requests see each other in the flattened batch (query_start_loc, seq_lens, "
                "block tables per request)",
+    "served": "the served path (no hooks): the fused native step (zoo/kernels/fused.py) or the sampler",
 }
 
 
@@ -282,10 +289,13 @@ class _Run:
         self.ref_model, self.zoo, self.config, self.prompts, self.tol = ref_model, zoo, config, prompts, tol
         self.replay, self.say, self.k = replay, say, knobs
         self.wanted = set(reference_taps(ref_model)) | {LOGITS}
-        self._ref, self._packed = None, None
+        self._ref, self._packed, self._refs = None, None, {}
 
     def ref_for(self, tokens):
-        return run_reference(self.ref_model, tokens, keep_layer_calls=self.replay)
+        key = tuple(map(tuple, tokens))
+        if key not in self._refs:  # decode and served usually run the reference on the same tokens
+            self._refs[key] = run_reference(self.ref_model, tokens, keep_layer_calls=self.replay)
+        return self._refs[key]
 
     def base_ref(self):
         self._ref = self._ref or self.ref_for(self.prompts)
@@ -301,7 +311,7 @@ class _Run:
 
     def judge(self, name, description, ref_run, zoo_run, *, only=None, info=None) -> ScenarioResult:
         cmp = compare(ref_run.trace, zoo_run.trace, only=only)
-        fails = verdict(cmp, self.tol)
+        fails = zoo_run.findings + verdict(cmp, self.tol)
         res = ScenarioResult(name, description, not fails, fails, cmp, info={"steps": zoo_run.num_steps, **(info or {})},
                              tol=self.tol, lengths=list(ref_run.trace.lengths))
         if cmp.missing:
@@ -311,6 +321,7 @@ class _Run:
             self.say(f"  {name}: localising")
             res.localization = localize(self.ref_model, ref_run, ref_run.trace, zoo_run.trace, cmp.compared,
                                         self.tol, self.config, replay=self.replay)
+            res.localization.hints[:0] = [f"runtime bookkeeping, not the model: {f}" for f in zoo_run.findings[:3]]
         return res
 
     @staticmethod
@@ -354,6 +365,32 @@ class _Run:
                          self.ref_for(extended), run, only=second_only, info={"cached_tokens": hit})
         return self.require(res, hit > 0, f"no prefix-cache hit: the second request computed all {len(extended[1])} "
                                           f"tokens")
+
+    def served(self) -> ScenarioResult:
+        n = self.k["max_new_tokens"]
+        run = self.zoo.serve(self.prompts, max_tokens=n, block_size=self.k["block_size"])
+        ref = self.ref_for(run.trace.tokens).trace
+        logits_only = Trace(order=[], lengths=ref.lengths, rows={LOGITS: ref.rows[LOGITS]}, have=ref.have,
+                            tokens=ref.tokens)
+        cmp = compare(logits_only, run.trace)
+        fails = run.findings + verdict(cmp, self.tol)
+        for r, p in enumerate(self.prompts):  # each greedy token = the reference's argmax where it is decisive
+            for j, token in enumerate(run.outputs.get(r, [])):
+                want = ref.rows[LOGITS][r][len(p) + j - 1] if len(p) + j - 1 < ref.lengths[r] else None
+                if want is None:
+                    continue
+                top2 = want.double().topk(2).values
+                if int(want.argmax()) != token and top2[0] - top2[1] > self.tol["top1_margin"]:
+                    fails.append(f"greedy token: request {r} output {j} (position {len(p) + j}) is {token}, the "
+                                 f"reference's argmax {int(want.argmax())}")
+        fused = run.fused_steps
+        how = (f"the fused native step ran {sum(fused)} of {len(fused)} steps" if fused
+               else "the module path (no fused step for this model or device)")
+        res = ScenarioResult("served", f"{n} greedy tokens per prompt with no hooks on the model: {how}", not fails,
+                             fails, cmp, first_divergence(cmp, self.tol) if fails else None,
+                             info={"steps": run.num_steps, "fused_steps": sum(fused), "generated": run.outputs},
+                             tol=self.tol, lengths=list(ref.lengths))
+        return res
 
     def packing(self) -> ScenarioResult:
         alone = self.zoo_run(waves=[[r] for r in range(len(self.prompts))])

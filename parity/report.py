@@ -21,7 +21,7 @@ import math
 import torch
 
 from parity.harness import ParityResult, ScenarioResult
-from parity.taps import short
+from parity.taps import SAMPLED, short
 from zoo.table import format_table
 
 
@@ -103,10 +103,11 @@ def format_summary(result: ParityResult) -> str:
     for name, s in result.scenarios.items():
         cmp = s.comparison
         worst = max(cmp.taps, key=lambda t: _nan0(t.worst()["rel_l2"]), default=None) if cmp else None
-        lg = cmp.logits.summary(s.tol) if cmp and cmp.logits else {}
+        lr = (cmp.logits or cmp.logit_taps.get(SAMPLED)) if cmp else None  # served: its sampled logits only
+        lg = lr.summary(s.tol) if lr else {}
         rows.append([name, "pass" if s.passed else "DIVERGES", s.info.get("steps", "-"),
                      f"{_e(worst.worst()['rel_l2'])} {short(worst.name)}" if worst else "-",
-                     f"{min((t.worst()['cosine'] for t in cmp.taps), default=float('nan')):.9f}" if cmp else "-",
+                     f"{min(t.worst()['cosine'] for t in cmp.taps):.9f}" if cmp and cmp.taps else "-",
                      _e(lg.get("kl_mean")), _e(lg.get("kl_p99")), _e(lg.get("kl_max")),
                      f"{lg['top1']:.1%}" if lg else "-", f"{lg['top5']:.1%}" if lg else "-"])
     lines.append(format_table(["scenario", "result", "steps", "worst rel_l2 (tap)", "min cosine", "KL mean",

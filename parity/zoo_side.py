@@ -32,6 +32,112 @@ class ZooRun:
     num_steps: int
     cached_tokens: dict[int, int] = field(default_factory=dict)  # request -> prompt tokens found in the prefix cache
     outputs: dict[int, list[int]] = field(default_factory=dict)  # request -> tokens it generated
+    findings: list[str] = field(default_factory=list)  # runtime bookkeeping wrong: positions, sampled rows
+    fused_steps: list[bool] = field(default_factory=list)  # served path: per step, did the fused native step run
+
+
+def _watch(engine, segments: list, sampled: list) -> dict:
+    """Record, from the runtime's own objects, each step's schedule (request, first token index, tokens) and
+    the logits it sampled from; calls go straight through (instance attributes on this engine only)."""
+    runner, state = engine.runner, {"first_computed": {}, "fused": [], "batches": []}
+    prepare = runner.prepare
+
+    def observed_prepare(out, kv):
+        segments.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        for s in out.scheduled:
+            state["first_computed"].setdefault(int(s.request.request_id), s.num_computed_tokens)
+        prepared = prepare(out, kv)
+        batch = prepared[2]  # what the model will see: positions and the rows that sample
+        state["batches"].append((batch.positions.detach().cpu().clone(), batch.logits_indices.detach().cpu().clone()))
+        return prepared
+
+    runner.prepare = observed_prepare
+    runner.logits_hook = lambda reqs, logits: sampled.append(
+        ([r.request_id for r in reqs], logits.detach().float().cpu().clone()))
+    if runner.fused is not None:
+        usable = runner.fused.usable
+
+        def observed_usable(*args):
+            ok = usable(*args)
+            state["fused"].append(bool(ok))
+            return ok
+
+        runner.fused.usable = observed_usable
+    return state
+
+
+def _drive(engine, prompts, max_tokens, waves) -> dict:
+    """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end."""
+    from zoo.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = {}
+    for wave in waves or [list(range(len(prompts)))]:
+        for r in wave:
+            rid = engine.add_request(list(prompts[r]), params, request_id=str(r))
+            requests[rid] = engine.scheduler.requests[rid]
+        while engine.has_unfinished_requests():
+            engine.step()
+    return requests
+
+
+def _token_index(segs, qsl) -> torch.Tensor:
+    """[T] the token index (within its request) of every row of a step, by the scheduler's accounting."""
+    sizes = [qsl[i + 1] - qsl[i] for i in range(len(segs))]
+    if sizes != [n for _, _, n in segs]:
+        raise RuntimeError(f"the batch's query_start_loc gives segments of {sizes} rows, the scheduler scheduled "
+                           f"{[n for _, _, n in segs]} tokens (requests {[r for r, _, _ in segs]})")
+    return torch.cat([torch.arange(start, start + n) for _, start, n in segs]) if segs else torch.zeros(0, dtype=torch.long)
+
+
+def _sampled_at_last_rows(segs, qsl, reqs, logits, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled logits [N, V] placed at each sampling request's last row ([T, V], present [T]): where the
+    runtime should have sampled, so a runtime sampling from another row differs from the reference there."""
+    last = {r: qsl[i + 1] - 1 for i, (r, _, _) in enumerate(segs)}
+    full = torch.zeros(shape)
+    present = torch.zeros(shape[0], dtype=torch.bool)
+    for k, r in enumerate(reqs):
+        full[last[r]] = logits[k]
+        present[last[r]] = True
+    return full, present
+
+
+def _computed_tokens(requests, segments, n: int) -> list[list[int]]:
+    """Each request's tokens up to the last one a step computed (the scheduler's accounting)."""
+    reached = {}
+    for segs in segments:
+        for r, start, count in segs:
+            reached[r] = max(reached.get(r, 0), start + count)
+    return [requests[str(r)].all_token_ids[:reached.get(str(r), 0)] for r in range(n)]
+
+
+def runtime_findings(steps: list[dict]) -> list[str]:
+    """Where the runtime's own bookkeeping disagrees with the scheduler: positions and sampled rows."""
+    out, wrong_positions = [], []
+    for k, step in enumerate(steps):
+        qsl, pos, index = step["query_start_loc"], step["positions"].long(), step["token_index"]
+        if pos.shape != index.shape:
+            out.append(f"step {k}: {pos.shape[0]} positions for {index.shape[0]} scheduled tokens")
+            continue
+        for i, r in enumerate(step["requests"]):
+            a, b = qsl[i], qsl[i + 1]
+            wrong = torch.nonzero(pos[a:b] != index[a:b]).flatten()
+            if wrong.numel():
+                j = int(wrong[0])
+                wrong_positions.append(((int(index[a + j]), r), f"positions: request {r} token {int(index[a + j])} "
+                                       f"ran at position {int(pos[a + j])} (step {k}; {wrong.numel()} of its {b - a} "
+                                       f"rows wrong): the runtime's positions"))
+        idx = step.get("logits_indices")
+        if idx is not None and idx.numel():
+            want = set(int(qsl[i + 1]) - 1 for i in range(len(step["requests"])))
+            for row in idx.tolist():
+                if row not in want:
+                    seg = next((i for i in range(len(step["requests"])) if qsl[i] <= row < qsl[i + 1]), None)
+                    who = f"request {step['requests'][seg]}'s token {int(index[row])}" if seg is not None else \
+                        "no request's row"
+                    out.append(f"sampled row: step {k} sampled from row {row} ({who}), not a request's last token: "
+                               f"the runtime's logits_indices")
+    return [f for _, f in sorted(wrong_positions)] + out  # the lowest wrong token first, as first_divergence
 
 
 class ZooSide:
@@ -47,6 +153,16 @@ class ZooSide:
     def tap_names(self, wanted: set[str]) -> dict[str, str]:
         return zoo_tap_names(self.model, self.config, wanted)
 
+    def _engine(self, prompts, *, max_tokens, block_size, max_num_batched_tokens=None, max_num_seqs=64,
+                enable_prefix_caching=False):
+        from zoo.runtime.engine import LLMEngine
+
+        total = sum(len(p) + max_tokens for p in prompts)
+        budget = max_num_batched_tokens or max(2048, total)
+        return LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
+                         block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                         enable_prefix_caching=enable_prefix_caching, device=self.device)
+
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
             max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = False,
             waves: list[list[int]] | None = None) -> ZooRun:
@@ -55,30 +171,13 @@ class ZooSide:
         `waves` runs groups of requests one after another (each wave to completion before the next is
         added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once.
         """
-        from zoo.runtime.engine import LLMEngine
-        from zoo.runtime.sampling_params import SamplingParams
-
-        total = sum(len(p) + max_tokens for p in prompts)
-        budget = max_num_batched_tokens or max(2048, total)
-        engine = LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
-                           block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                           enable_prefix_caching=enable_prefix_caching, device=self.device)
+        engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size,
+                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                              enable_prefix_caching=enable_prefix_caching)
         names = self.tap_names(wanted)
-        order_of_steps: list[list[str]] = []  # per step: request id of each segment
+        segments: list[list[tuple[str, int, int]]] = []  # per step: (request id, first token index, tokens)
         sampled: list[tuple[list[str], torch.Tensor]] = []
-        prepare = engine.runner.prepare
-
-        first_computed: dict[str, int] = {}  # request -> tokens already in the cache when first scheduled
-
-        def observed_prepare(out, kv):
-            order_of_steps.append([s.request.request_id for s in out.scheduled])
-            for s in out.scheduled:
-                first_computed.setdefault(s.request.request_id, s.num_computed_tokens)
-            return prepare(out, kv)
-
-        engine.runner.prepare = observed_prepare  # instance attribute: calls straight through
-        engine.runner.logits_hook = lambda reqs, logits: sampled.append(
-            ([r.request_id for r in reqs], logits.detach().float().cpu().clone()))
+        watch = _watch(engine, segments, sampled)
 
         def meta(args, kwargs):
             positions = args[1] if len(args) > 1 else kwargs["positions"]
@@ -86,41 +185,55 @@ class ZooSide:
             return {"positions": positions.detach().cpu().clone(), "qsl": list(batch.query_start_loc_cpu),
                     "logits_indices": batch.logits_indices.detach().cpu().clone()}
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        requests: dict[str, object] = {}
-        waves = waves or [list(range(len(prompts)))]
         def logits_of_every_row(hidden):  # [T, H] -> [T, V], the zoo's own head on every row
             return self.model.compute_logits(hidden).detach().float().cpu()
 
         with Capture(self.model, names, meta=meta, root_output=logits_of_every_row) as cap:
-            for wave in waves:
-                for r in wave:
-                    rid = engine.add_request(list(prompts[r]), params, request_id=str(r))
-                    requests[rid] = engine.scheduler.requests[rid]
-                while engine.has_unfinished_requests():
-                    engine.step()
-        if len(cap.steps) != len(order_of_steps):
-            raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(order_of_steps)} prepared steps")
+            requests = _drive(engine, prompts, max_tokens, waves)
+        if len(cap.steps) != len(segments):
+            raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(segments)} prepared steps")
 
         steps, sampled_iter = [], iter(sampled)
-        for step, ids in zip(cap.steps, order_of_steps):
+        for step, segs in zip(cap.steps, segments):
             step.taps[LOGITS] = step.output  # [T, V]
-            idx = step.meta["logits_indices"]
+            index = _token_index(segs, step.meta["qsl"])  # [T] the scheduler's token index of each row
             present = {}
-            if idx.numel():
+            if step.meta["logits_indices"].numel():
                 reqs, logits = next(sampled_iter)
-                full = torch.zeros_like(step.output)
-                full[idx] = logits  # [T, V]; the other rows are absent (present[SAMPLED] False)
-                step.taps[SAMPLED] = full
-                present[SAMPLED] = torch.zeros(full.shape[0], dtype=torch.bool)
-                present[SAMPLED][idx] = True  # [T]
-            steps.append({"requests": [int(i) for i in ids], "query_start_loc": step.meta["qsl"],
-                          "positions": step.meta["positions"], "taps": step.taps, "experts": step.experts,
-                          "present": present})
-        # the tokens each request had computed: prompt + outputs, but the last sampled token never ran (and a
-        # request whose logits went NaN sampled none: finish_reason "error")
-        tokens = [requests[str(r)].all_token_ids[:requests[str(r)].num_computed_tokens] for r in range(len(prompts))]
+                step.taps[SAMPLED], present[SAMPLED] = _sampled_at_last_rows(segs, step.meta["qsl"], reqs, logits,
+                                                                             step.output.shape)
+            steps.append({"requests": [int(r) for r, _, _ in segs], "query_start_loc": step.meta["qsl"],
+                          "positions": step.meta["positions"], "token_index": index, "taps": step.taps,
+                          "experts": step.experts, "present": present,
+                          "logits_indices": step.meta["logits_indices"]})
+        tokens = _computed_tokens(requests, segments, len(prompts))
         trace = from_steps(steps, cap.order + [LOGITS, SAMPLED], tokens)
-        cached = {int(rid): n for rid, n in first_computed.items()}
+        cached = dict(watch["first_computed"])
         outs = {int(rid): list(req.output_token_ids) for rid, req in requests.items()}
-        return ZooRun(trace, len(steps), cached, outs)
+        findings = runtime_findings(steps)
+        return ZooRun(trace, len(steps), cached, outs, findings)
+
+    def serve(self, prompts: list[list[int]], *, max_tokens: int, block_size: int = 16) -> ZooRun:
+        """The path users run: the same engine with no hooks on the model (the fused native step where it
+        applies); only the runner's logits_hook records what each request sampled from. Its trace holds
+        SAMPLED alone, each row at its request's last token by the scheduler's accounting."""
+        engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size)
+        segments, sampled = [], []
+        watch = _watch(engine, segments, sampled)
+        requests = _drive(engine, prompts, max_tokens, None)
+        steps, sampled_iter = [], iter(sampled)
+        for segs, (positions, idx) in zip(segments, watch["batches"]):
+            qsl = [0]
+            for _, _, n in segs:
+                qsl.append(qsl[-1] + n)
+            if not idx.numel():  # nobody sampled in this step: the logits hook did not run
+                continue
+            reqs, logits = next(sampled_iter)
+            rows, present = _sampled_at_last_rows(segs, qsl, reqs, logits, (qsl[-1], logits.shape[-1]))
+            steps.append({"requests": [int(r) for r, _, _ in segs], "query_start_loc": qsl,
+                          "positions": positions, "token_index": _token_index(segs, qsl), "logits_indices": idx,
+                          "taps": {SAMPLED: rows}, "present": {SAMPLED: present}})
+        tokens = _computed_tokens(requests, segments, len(prompts))
+        trace = from_steps(steps, [SAMPLED], tokens)
+        outs = {int(rid): list(req.output_token_ids) for rid, req in requests.items()}
+        return ZooRun(trace, len(segments), {}, outs, runtime_findings(steps), fused_steps=watch["fused"])

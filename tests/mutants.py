@@ -300,3 +300,59 @@ def planted(name: str, registry=None):
         yield reg.get({**MUTANTS, **VARIANTS}[name][0])
     finally:
         reg.unregister_plugin(plugin_name)
+
+
+# -- runtime mutants: planted into the runner / fused step (class attributes, restored on exit) ---------------
+def _chunk_restarts_at_zero(prepare):
+    """A prefill chunk after the first gets positions 0.. instead of num_computed_tokens.. (rotary only: the
+    slots and the causal mask still come from the right accounting)."""
+    def buggy(self, out, kv):
+        input_ids, positions, batch = prepare(self, out, kv)
+        for i, s in enumerate(out.scheduled):
+            a, b = batch.query_start_loc_cpu[i], batch.query_start_loc_cpu[i + 1]
+            if s.num_computed_tokens > 0 and b - a > 1:
+                positions[a:b] -= s.num_computed_tokens  # the bug (batch.positions is this tensor)
+        return input_ids, positions, batch
+    return buggy
+
+
+def _samples_second_to_last_row(prepare):
+    """Request 1 of a step samples from its second-to-last row when it has two or more new tokens."""
+    def buggy(self, out, kv):
+        input_ids, positions, batch = prepare(self, out, kv)
+        qsl = batch.query_start_loc_cpu
+        sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if len(sampling) > 1 and qsl[sampling[1] + 1] - qsl[sampling[1]] > 1:
+            batch.logits_indices[1] -= 1  # the bug
+        return input_ids, positions, batch
+    return buggy
+
+
+def _fused_logits_scaled(call):
+    """The fused native step's logits come out 1% too large (a temperature-like slip in that path only)."""
+    def buggy(self, input_ids, positions, batch):
+        return call(self, input_ids, positions, batch) * 1.01
+    return buggy
+
+
+RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
+    "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "prepare", _chunk_restarts_at_zero),
+    "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "prepare", _samples_second_to_last_row),
+    "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "__call__", _fused_logits_scaled),
+}
+
+
+@contextlib.contextmanager
+def planted_runtime(name: str):
+    """Plant runtime mutant `name` for the block: the class method is wrapped, and restored after."""
+    import importlib
+
+    where, method, wrap = RUNTIME_MUTANTS[name]
+    module, cls_name = where.split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    original = cls.__dict__[method]
+    setattr(cls, method, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(cls, method, original)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mutants import BUG_LAYER, planted
+from mutants import BUG_LAYER, planted, planted_runtime
 from parity.harness import run_parity
 from tiny import save_tiny
 from zoo.cli import main as zoo_main
@@ -99,3 +99,56 @@ def test_dynamic_rope_past_the_runtime_length_is_not_exercised(tmp_path):
     assert result.passed
     assert result.inputs["not_exercised"] == ["rope dynamic past 32 positions: needs a prompt of 33 tokens, past the "
                                               "model's max_position_embeddings 32 (the runtime's longest request)"]
+
+
+# -- 3, 4, 5. the runtime's bookkeeping, the sampled row, the served path ------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **WIDE)
+
+
+def test_wrong_positions_are_a_finding_not_a_crash(llama):
+    """Chunks restarting at position 0: rows stay where the scheduler put them, the positions are named."""
+    with planted_runtime("chunk_positions_restart"):
+        result = run_parity(llama, scenarios=("prefill", "chunked"))
+    assert result.scenarios["prefill"].passed
+    s = result.scenarios["chunked"]
+    # budget 7: request 0 runs tokens 0-6, then 7-12 with request 1's token 0; request 1 goes on from token 1
+    assert not s.passed and s.failures[0].startswith("positions: request 1 token 1 ran at position 0"), s.failures
+    assert any(f.startswith("positions: request 0 token 7 ran at position 0") for f in s.failures)
+    first = s.first_divergence
+    assert (first["tap"], first["request"], first["position"]) == ("model.layers.0.self_attn", 1, 1), first
+    assert (s.localization.culprit["tap"], s.localization.culprit["position"]) == ("model.layers.0.self_attn", 1)
+    assert s.localization.hints[0].startswith("runtime bookkeeping, not the model: positions: request 1 token 1")
+
+
+def test_sampling_from_the_wrong_row_is_caught(llama):
+    with planted_runtime("sampled_wrong_row"):
+        result = run_parity(llama, scenarios=("prefill", "served"))
+    for name in ("prefill", "served"):
+        s = result.scenarios[name]
+        first = s.first_divergence
+        assert not s.passed and (first["tap"], first["request"], first["position"]) == ("sampled_logits", 1, 28), \
+            (name, first)
+    for name in ("prefill", "served"):
+        s = result.scenarios[name]
+        assert s.failures[0].startswith("sampled row: step 0 sampled from row 40 (request 1's token 27)"), s.failures
+    assert any(f.startswith("greedy token: request 1 output 0") for f in result.scenarios["served"].failures)
+
+
+def test_the_served_path_is_checked_without_hooks(llama):
+    """A bug only in the fused native step: every hooked scenario passes, served does not."""
+    from zoo import kernels
+
+    if not kernels.enabled():
+        pytest.skip("the native kernels are off: the served path runs the modules")
+    result = run_parity(llama, scenarios=("prefill", "served"))
+    assert result.passed and result.scenarios["served"].info["fused_steps"] == result.scenarios["served"].info["steps"]
+    with planted_runtime("fused_logits_scaled"):
+        result = run_parity(llama, scenarios=("prefill", "decode", "served"))
+    assert result.scenarios["prefill"].passed and result.scenarios["decode"].passed
+    s = result.scenarios["served"]
+    assert not s.passed and s.first_divergence["tap"] == "sampled_logits"
+    assert (s.first_divergence["request"], s.first_divergence["position"]) == (2, 5), s.first_divergence  # 6 tokens
+    assert any(h.startswith("served diverges while prefill passes: the served path (no hooks): the fused native step")
+               for h in result.hints), result.hints
