@@ -55,9 +55,21 @@ def why_degenerate(prompt: list[int], unk_id: int | None) -> str | None:
     return None
 
 
-def random_prompt(n: int, vocab_size: int, g: torch.Generator) -> list[int]:
-    low = min(3, vocab_size - 1)  # past the usual pad / bos / eos ids
-    return torch.randint(low, vocab_size, (n,), generator=g).tolist()
+def special_ids(config, tokenizer=None) -> set[int]:
+    """Ids a random prompt must not hold: the config's *_token_id / *_token_index (image placeholders, pad, bos,
+    eos) and the tokenizer's special tokens."""
+    out = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for cfg in {id(c): c for c in (config, getattr(config, "text_config", None)) if c is not None}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_index")):
+                out.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return out
+
+
+def random_prompt(n: int, vocab_size: int, g: torch.Generator, exclude: set[int] = frozenset()) -> list[int]:
+    """n random ids past the usual pad / bos / eos ids (0-2), none of `exclude`."""
+    allowed = torch.tensor([i for i in range(min(3, vocab_size - 1), vocab_size) if i not in exclude])  # [A]
+    return allowed[torch.randint(0, allowed.numel(), (n,), generator=g)].tolist()
 
 
 def length_features(config, zoo_model=None) -> list[tuple[str, int]]:
@@ -99,11 +111,12 @@ def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, use
     unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
     g = torch.Generator().manual_seed(seed + 1)
     inputs = Inputs([list(p) for p in prompts], list(texts) if texts else None)
+    exclude = special_ids(config, tokenizer)
     bad = {i: why for i, p in enumerate(prompts) if (why := why_degenerate(p, unk))}
     if bad and user_given:
         raise ValueError(degenerate_message(bad))  # run_parity refuses these before loading anything
     for i, why in bad.items():
-        inputs.prompts[i] = random_prompt(max(len(prompts[i]), 6), vocab, g)
+        inputs.prompts[i] = random_prompt(max(len(prompts[i]), 6), vocab, g, exclude)
         if inputs.texts:
             inputs.texts[i] = None
         inputs.notes.append(f"default prompt {i} tokenises to {why}: replaced by {len(inputs.prompts[i])} random "
@@ -126,7 +139,7 @@ def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, use
             inputs.not_exercised.append(f"{feature}: needs a prompt of {need} tokens, over the budget "
                                         f"({max_tokens} tokens, parameters x tokens <= {max_work:.0e})")
             continue
-        inputs.prompts.append(random_prompt(need, vocab, g))
+        inputs.prompts.append(random_prompt(need, vocab, g, exclude))
         if inputs.texts:
             inputs.texts.append(None)
         longest = need

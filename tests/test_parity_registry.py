@@ -13,6 +13,14 @@ from parity.report import to_json
 from registry import get_registry
 from tiny_configs import TINY_CONFIGS, save_arch
 
+# True findings the harness makes on a registered architecture (a zoo bug to fix, not the harness's): the scenario
+# must fail in that tap; when it is fixed this test says so and the entry goes.
+KNOWN_FINDINGS = {
+    ("Phi3ForCausalLM", "chunked"): ("model.layers.0.self_attn", "longrope past original_max_position_embeddings: "
+                                     "chunks computed before position 64 rotate with the short factors, the "
+                                     "reference's one forward over the 65-token prompt with the long ones"),
+}
+
 REGISTERED = sorted(a for a, s in get_registry().specs.items() if not s.plugin.startswith("mutant-"))
 
 
@@ -37,6 +45,11 @@ def test_registered_architecture_passes_twice_identically(arch, tmp_path):
     path = save_arch(arch, tmp_path)
     first, second = run_parity(path), run_parity(path)
     for name, s in first.scenarios.items():
+        if (arch, name) in KNOWN_FINDINGS:
+            tap, why = KNOWN_FINDINGS[arch, name]
+            assert not s.passed, f"{arch} {name} passes now: remove its KNOWN_FINDINGS entry ({why})"
+            assert s.first_divergence["tap"] == tap, s.first_divergence
+            continue
         assert s.passed, f"{arch} {name}: {s.failures} first divergence {s.first_divergence}"
         assert s.comparison.compared and any(c.any() for c in s.comparison.compared), f"{arch} {name}: nothing compared"
     assert list(first.scenarios) == list(SCENARIOS)
