@@ -135,3 +135,28 @@ def test_zoo_inspect_shows_the_vision_tower_plan(llava, capsys):
     assert "vision_tower.encoder.layers.{i}.self_attn.q_proj.weight" in out  # folded over the 2 built layers
     assert "model.vision_tower.encoder.layers.{i}.self_attn.qkv_proj.weight[rows 0:32]  (x2)" in out
     assert "ignored: vision_tower.encoder.layers.2.mlp.fc1.weight" in out and "past the deepest" in out
+
+
+def test_image_parity_taps_pass(llava):
+    from parity.multimodal import image_parity
+
+    result = image_parity(str(llava["path"]), "user : <image> w1 <image> w2", [random_image(6), drawn_image(7)])
+    roles = [t.role for t in result.taps]
+    built = llava["model"].model.vision_tower.num_layers
+    assert roles == ["vision"] * built + ["projector", "merged", "logits", "lm_only"]
+    assert result.passed, [(t.name, t.rel_l2, t.kl) for t in result.taps]
+
+
+def test_image_parity_names_a_planted_vision_bug(llava, monkeypatch):
+    import torch.nn.functional as F
+
+    from parity.multimodal import image_parity
+    from zoo.layers import vision
+
+    if llava["name"] != "llama":
+        pytest.skip("one planted bug is enough")
+    monkeypatch.setitem(vision.VISION_ACTIVATIONS, "quick_gelu", F.gelu)  # exact GELU in the zoo's CLIP MLPs
+    result = image_parity(str(llava["path"]), "user : <image> w1", [random_image(6)])
+    assert result.first_divergence == "model.vision_tower.encoder.layers.0"
+    failed = {t.role for t in result.taps if not t.passed}
+    assert {"vision", "projector", "merged", "logits", "lm_only"} <= failed

@@ -106,3 +106,12 @@ def test_the_in_memory_layout_loads_the_same(qwen, tmp_path):
     saved = dict(model.named_parameters())
     for name, p in loaded.named_parameters():
         assert torch.equal(p, saved[name]), name
+
+
+def test_image_parity_taps_pass(qwen):
+    from parity.multimodal import image_parity
+
+    path, *_ = qwen
+    result = image_parity(str(path), PROMPTS["two"][0], PROMPTS["two"][1])
+    assert [t.role for t in result.taps] == ["vision"] * 2 + ["projector", "merged", "logits", "lm_only"]
+    assert result.passed, [(t.name, t.rel_l2, t.kl) for t in result.taps]
