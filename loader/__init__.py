@@ -10,9 +10,9 @@ from loader.load import LoadReport, load
 from loader.mapping import Region
 from loader.plan import Entry, Plan, TieDecision, lossy, plan
 from loader.problems import LoadError, Problem, SourceError
-from loader.rules import Fuse, Ignore, Rename, Rules, Stack, Tie
+from loader.rules import Fuse, Ignore, Rename, Rules, Stack, Tie, Transform
 from loader.sources import Source, TensorInfo, open_source
 
 __all__ = ["Entry", "Fuse", "Ignore", "LoadError", "LoadReport", "Plan", "Problem", "Region", "Rename",
-           "Rules", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "load", "lossy",
+           "Rules", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "Transform", "load", "lossy",
            "open_source", "plan"]

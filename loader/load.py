@@ -65,7 +65,12 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     def read(e) -> tuple[int, int]:  # (bytes read, non-finite values); runs in a worker thread
         dest = e.region.view(storage[e.param])
         try:
-            n = source.read_into(e.key, dest)
+            if e.transform is None:
+                n = source.read_into(e.key, dest)
+            else:  # read in the checkpoint's layout, rearranged into the parameter's
+                held = torch.empty(e.shape, dtype=dest.dtype, device=dest.device)
+                n = source.read_into(e.key, held)
+                e.transform.write(held, dest)
         except OSError as err:  # the file changed or failed under us
             raise SourceError([Problem("file", e.key, e.file, None, f"{e.key} in {e.file} cannot be read "
                                        f"({err.strerror or type(err).__name__})")]) from None

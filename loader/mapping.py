@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.rules import Fuse, Rules
+from loader.rules import Fuse, Rules, Transform
 
 _DIM_NAMES = {0: "rows", 1: "cols"}
 
@@ -69,6 +69,7 @@ class Mapped:
     name: str  # the parameter (for "unexpected": the name the rules produced, which the module lacks)
     region: Region = Region()
     reason: str = ""  # for "ignored": the Ignore's reason; for "param": a fuse-size error, if any
+    transform: Transform | None = None  # for "param": the key holds the parameter in this other layout
 
 
 class Mapper:
@@ -76,9 +77,20 @@ class Mapper:
         self.rules = rules
         self.params = params
         self._ignores = [(re.compile(i.pattern), i.reason) for i in rules.ignores]
+        self._transforms = [(re.compile(t.pattern), t) for t in rules.transforms]
 
     # -- forward: key -> parameter ------------------------------------------------------------------
     def map(self, key: str) -> Mapped:
+        m = self._map(key)
+        transform = next((t for pattern, t in self._transforms if pattern.search(key)), None)
+        if transform is None or m.kind != "param" or m.reason:
+            return m
+        if m.region != Region():
+            return Mapped("param", m.name, m.region, reason=f"a {transform.kind} Transform must fill the whole "
+                                                            f"parameter, not the region {m.region}")
+        return Mapped("param", m.name, reason=transform.problem(self.params[m.name].shape) or "", transform=transform)
+
+    def _map(self, key: str) -> Mapped:
         for pattern, reason in self._ignores:
             if pattern.search(key):
                 return Mapped("ignored", key, reason=reason)

@@ -11,7 +11,7 @@ import torch
 from loader.coverage import overlapping_pairs, unwritten, volume
 from loader.mapping import Mapper, ParamInfo, Region
 from loader.problems import Problem
-from loader.rules import Rules
+from loader.rules import Rules, Transform
 from loader.sources import Source, open_source
 
 
@@ -23,6 +23,7 @@ class Entry:
     dtype: torch.dtype
     param: str
     region: Region
+    transform: Transform | None = None  # the key holds the parameter in this layout
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                 f"{key} in {info.file} is expert {m.region.expert} but {m.name} has shape {list(p.shape)}"))
             continue
         expected = m.region.shape(p.shape)
+        if m.transform is not None:
+            expected, where = m.transform.source_shape(expected), f"{where} ({m.transform.kind}d)"
         if tuple(info.shape) != expected:
             out.problems.append(Problem("shape", key, info.file, where,
                 f"{key} in {info.file} has shape {list(info.shape)} but {where} expects {list(expected)}"))
@@ -98,7 +101,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                 f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
                 + ("(dtype= casts floating-point to floating-point only)" if dtype is not None
                    else "(pass dtype= to load() to cast on purpose)")))
-        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, m.region))
+        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, m.region, m.transform))
         writes.setdefault(m.name, []).append((m.region.box(p.shape), key, info.file, m.region))
 
     out.owner = {name: name for name in params}

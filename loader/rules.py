@@ -8,6 +8,8 @@ A checkpoint key goes through the rules in this order:
     Stack   -> `experts.{e}.` taken out of the key; the tensor goes to index e of the leading dim
     Fuse    -> `q_proj` / `k_proj` / `v_proj` become shard 0 / 1 / 2 of `qkv_proj` along `dim`
     Tie     -> a parameter that the checkpoint lacks is filled from another key it holds
+    Transform -> a key that holds its whole parameter in another layout (transposed, heads interleaved) is
+               shape-checked in that layout and rearranged as it is written; coverage is the parameter's
 
 The sizes of a fused parameter's shards come from `Fuse.sizes`, else from the destination parameter's
 `shard_sizes` attribute (set by the layer that fuses), else an equal split.
@@ -15,6 +17,8 @@ The sizes of a fused parameter's shards come from `Fuse.sizes`, else from the de
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,48 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class Transform:
+    """Checkpoint keys matching the regex `pattern` hold their parameter in another layout, by `kind`:
+
+        "transpose"   a 2-D tensor stored as W^T ([in, out] for an [out, in] parameter: GPT-2's Conv1D); 1-D
+                      tensors (biases) are as they are
+        "interleave"  `parts` projections interleaved head by head along dim 0 (GPT-NeoX's query_key_value): rows
+                      [heads, parts, head_dim] in the checkpoint, [parts, heads, head_dim] in the parameter
+    A transformed key fills its whole parameter (it cannot also be a Fuse shard or a Stack row).
+    """
+
+    pattern: str
+    kind: str
+    parts: int = 3
+    head_dim: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("transpose", "interleave"):
+            raise ValueError(f"Transform kind {self.kind!r}: expected 'transpose' or 'interleave'")
+
+    def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape the checkpoint holds for a parameter of `shape`."""
+        return tuple(reversed(shape)) if self.kind == "transpose" and len(shape) == 2 else tuple(shape)
+
+    def problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a parameter of `shape` cannot take this layout, or None."""
+        if self.kind == "interleave" and (not shape or self.head_dim <= 0 or shape[0] % (self.parts * self.head_dim)):
+            return (f"dim 0 of size {shape[0] if shape else 0} is not {self.parts} parts x heads x head_dim "
+                    f"{self.head_dim}")
+        return None
+
+    def write(self, src: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy `src` (checkpoint layout) into `dest` (parameter layout)."""
+        if self.kind == "transpose":
+            dest.copy_(src.t() if src.dim() == 2 else src)
+            return
+        heads = dest.shape[0] // (self.parts * self.head_dim)
+        rest = dest.shape[1:]
+        view = dest.view(self.parts, heads, self.head_dim, *rest).transpose(0, 1)  # [heads, parts, D, ...]
+        view.copy_(src.view(heads, self.parts, self.head_dim, *rest))
+
+
+@dataclass(frozen=True)
 class Rules:
     """All rules of one architecture. The empty Rules() is the identity mapping."""
 
@@ -82,6 +128,7 @@ class Rules:
     stacks: tuple[Stack, ...] = ()
     ignores: tuple[Ignore, ...] = ()
     ties: tuple[Tie, ...] = ()
+    transforms: tuple[Transform, ...] = ()
 
     def __add__(self, other: "Rules") -> "Rules":
         return Rules(
@@ -90,4 +137,5 @@ class Rules:
             self.stacks + other.stacks,
             self.ignores + other.ignores,
             self.ties + other.ties,
+            self.transforms + other.transforms,
         )

@@ -41,6 +41,8 @@ BUILTIN_PLUGINS = (
     "plugins.stablelm",
     "plugins.cohere",
     "plugins.phi",
+    "plugins.gpt_neox",
+    "plugins.gpt2",
 )
 ENTRY_POINT_GROUP = "zoo"
 

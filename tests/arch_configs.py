@@ -62,4 +62,13 @@ REAL_CONFIGS = {
         max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=32,
         partial_rotary_factor=0.4, qk_layernorm=False, rope_theta=10000.0, tie_word_embeddings=False,
         vocab_size=51200, bos_token_id=50256, eos_token_id=50256),
+    "GPTNeoXForCausalLM": dict(  # EleutherAI/pythia-70m
+        model_type="gpt_neox", hidden_act="gelu", hidden_size=512, intermediate_size=2048, layer_norm_eps=1e-05,
+        max_position_embeddings=2048, num_attention_heads=8, num_hidden_layers=6, rotary_emb_base=10000,
+        rotary_pct=0.25, tie_word_embeddings=False, use_parallel_residual=True, vocab_size=50304, bos_token_id=0,
+        eos_token_id=0),
+    "GPT2LMHeadModel": dict(  # openai-community/gpt2
+        model_type="gpt2", activation_function="gelu_new", layer_norm_epsilon=1e-05, n_ctx=1024, n_embd=768,
+        n_head=12, n_layer=12, n_positions=1024, scale_attn_weights=True, vocab_size=50257, bos_token_id=50256,
+        eos_token_id=50256),
 }

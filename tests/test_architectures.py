@@ -17,6 +17,8 @@ from parity.harness import run_parity
 from parity.tiny import save_tiny_checkpoint
 from tiny import load_reference, save_tiny
 from tiny_configs import TINY_CONFIGS, WIDE, save_arch
+from loader import LoadError
+from safetensors.torch import load_file, save_file
 from zoo.build import build_model
 from zoo.runtime.engine import LLMEngine
 from zoo.runtime.sampling_params import SamplingParams
@@ -102,3 +104,40 @@ def test_longrope_past_the_trained_length(tmp_path):
     assert rope.grows_past == 16 and not rope.native
     prompts = [list(range(3, 23)), [9] + PROMPTS[0] + [1, 2]]  # 20 and 17 tokens
     greedy_equal("Phi3ForCausalLM", zoo_model, load_reference(tmp_path), prompts)
+
+
+def test_transformed_keys_are_checked_in_the_checkpoint_layout(tmp_path):
+    """A Transform rule is as strict as a Fuse: GPT-2's Conv1D weight saved untransposed, and a GPT-NeoX
+    query_key_value with rows missing, are each one named shape problem, in the checkpoint's layout."""
+    gpt2 = save_arch("GPT2LMHeadModel", tmp_path / "gpt2")
+    tensors = load_file(gpt2 / "model.safetensors")
+    key = "transformer.h.1.attn.c_attn.weight"
+    tensors[key] = tensors[key].t().contiguous()  # [3H, H]: the parameter's layout, not Conv1D's
+    save_file(tensors, gpt2 / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError) as err:
+        build_model(gpt2)
+    assert [p.key for p in err.value.problems] == [key]
+    assert "has shape [192, 64] but model.layers.1.self_attn.qkv_proj.weight (transposed) expects [64, 192]" \
+        in str(err.value)
+    neox = save_arch("GPTNeoXForCausalLM", tmp_path / "neox")
+    tensors = load_file(neox / "model.safetensors")
+    key = "gpt_neox.layers.0.attention.query_key_value.bias"
+    tensors[key] = tensors[key][:-16].contiguous()  # one head's value rows short
+    save_file(tensors, neox / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError, match=r"query_key_value.bias in model.safetensors has shape \[176\] but "
+                                        r"model.layers.0.self_attn.qkv_proj.bias \(interleaved\) expects \[192\]"):
+        build_model(neox)
+
+
+def test_interleaved_heads_land_in_q_k_v_order(tmp_path):
+    """GPT-NeoX's rows [heads, (q, k, v), D] become the parameter's [(q, k, v), heads, D]: q of head h is rows
+    h * 3D .. h * 3D + D of the checkpoint."""
+    path = save_arch("GPTNeoXForCausalLM", tmp_path)
+    model, *_ = build_model(path)
+    held = load_file(path / "model.safetensors")["gpt_neox.layers.1.attention.query_key_value.weight"]
+    ours = model.model.layers[1].self_attn.qkv_proj.weight  # [3 * heads * D, H]
+    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    for h in range(heads):
+        for part in range(3):
+            want = held[(3 * h + part) * d:(3 * h + part + 1) * d]
+            assert torch.equal(ours[(part * heads + h) * d:(part * heads + h + 1) * d], want), (h, part)
