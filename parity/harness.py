@@ -33,10 +33,11 @@ import torch
 from parity import SCENARIOS
 from parity.align import Trace
 from parity.compare import Comparison, compare, first_divergence, verdict
+from parity.constants import built_constants
 from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
-from parity.taps import LOGITS, reference_taps
+from parity.taps import LOGITS, reference_taps, short
 from parity.tolerances import tolerances
 from parity.zoo_side import ZooSide
 
@@ -99,10 +100,11 @@ class ParityResult:
     meta: dict
     hints: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)  # {"notes", "exercised", "not_exercised"}: see parity/inputs.py
+    constants: dict = field(default_factory=dict)  # {"checked", "mismatches"}: see parity/constants.py
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.scenarios.values())
+        return all(s.passed for s in self.scenarios.values()) and not self.constants.get("mismatches")
 
 
 # -- inputs ------------------------------------------------------------------------------------------------
@@ -244,8 +246,12 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         say(note)
     arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
 
+    constants = built_constants(ref_model, zoo.model, config, set(reference_taps(ref_model)))
+    for m in constants["mismatches"]:
+        say(f"built with another constant: {m}")
     ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
                block_size=block_size, chunk_tokens=chunk_tokens))
+    ctx.constants = constants["mismatches"]
     results: dict[str, ScenarioResult] = {}
     for name in scenarios:
         t = time.perf_counter()
@@ -278,8 +284,41 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         "load_report": str(zoo.load_report),
     }
     return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
-                        {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised})
+                        {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
+                        constants)
 
+
+
+def rotary_off_matches(ref_model, zoo: ZooSide, prompts, wanted, tap: str, tol, block_size) -> bool | None:
+    """Prefill both sides with the rotary embedding switched off; does `tap` match then? None: cannot switch."""
+    zoo_attn = [m for m in zoo.model.modules() if callable(getattr(m, "rotary_emb", None))]
+    ref_rope = [m for n, m in ref_model.named_modules() if n.endswith("rotary_emb")]
+    if not zoo_attn or not ref_rope:
+        return None
+
+    def identity(positions, q, k, batch=None):
+        return q, k
+
+    def no_rotation(module, args, out):  # (cos, sin) -> (1, 0): the rotation is the identity
+        return (torch.ones_like(out[0]), torch.zeros_like(out[1])) if isinstance(out, tuple) else out
+
+    saved = [(m, m.__dict__.get("rotary_emb")) for m in zoo_attn]
+    handles = [m.register_forward_hook(no_rotation) for m in ref_rope]
+    try:
+        for m in zoo_attn:
+            m.rotary_emb = identity
+        zoo_run = zoo.run(prompts, wanted, block_size=block_size)
+        ref_run = run_reference(ref_model, prompts, keep_layer_calls=False)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, r in saved:
+            if r is None:
+                del m.rotary_emb
+            else:
+                m.rotary_emb = r
+    result = next((t for t in compare(ref_run.trace, zoo_run.trace).taps if t.name == tap), None)
+    return None if result is None else bool(result.worst()["rel_l2"] <= tol["rel_l2"])
 
 
 class _Run:
@@ -321,8 +360,36 @@ class _Run:
             self.say(f"  {name}: localising")
             res.localization = localize(self.ref_model, ref_run, ref_run.trace, zoo_run.trace, cmp.compared,
                                         self.tol, self.config, replay=self.replay)
-            res.localization.hints[:0] = [f"runtime bookkeeping, not the model: {f}" for f in zoo_run.findings[:3]]
+            culprit = res.localization.culprit or {}
+            built = [f"built with another constant than the reference: {m}" for m in self.constants
+                     if culprit.get("block") and (m.startswith(culprit["block"] + " ") or
+                                                  m.startswith(culprit["block"] + "."))]
+            if name == "prefill":
+                self.rank_rotary_hint(res.localization)
+            res.localization.hints[:0] = [f"runtime bookkeeping, not the model: {f}" for f in zoo_run.findings[:3]] + built
         return res
+
+    def rank_rotary_hint(self, loc: Localization) -> None:
+        """'Position 0 matches, later ones do not' fits every query/key-side bug (position 0 attends only to
+        itself). Test it: run the prefill again with the rotary embedding off on both sides (identity on the
+        zoo's attention modules, cos = 1 and sin = 0 from the reference's rotary modules); the culprit tap
+        matching then confirms the rotary embedding, still differing rules it out."""
+        guess = next((h for h in loc.hints if "position 0 matches and later positions do not" in h), None)
+        if guess is None:
+            return
+        tap = loc.culprit["tap"]
+        matches = rotary_off_matches(self.ref_model, self.zoo, self.prompts, self.wanted, tap, self.tol,
+                                     self.k["block_size"])
+        if matches is None:  # no rotary to switch off on one side: the guess stays, unconfirmed
+            return
+        i = loc.hints.index(guess)
+        if matches:
+            loc.hints.insert(0, loc.hints.pop(i) + "; confirmed: with the rotary embedding off on both sides "
+                                                   f"{short(tap)} matches")
+        else:
+            loc.hints[i] = (f"{short(tap)}: with the rotary embedding off on both sides it still differs, so not the "
+                            f"rotary embedding: the attention scale (query_pre_attn_scalar, head_dim), q/k norm, "
+                            f"softcapping or the q/k projections")
 
     @staticmethod
     def require(res: ScenarioResult, ok: bool, failure: str) -> ScenarioResult:

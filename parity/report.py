@@ -5,6 +5,7 @@ the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/In
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
      dtype, seed, ...}, "prompts": [[ids]], "prompt_texts", "hints",
      "inputs": {"notes": [prompts the harness replaced or added], "exercised", "not_exercised": [features]},
+     "constants": {"checked": [module constant], "mismatches": [text]},
      "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",
         "taps": [{"name", "role", "layer", "worst": {...}, "rel_l2": [[per position] per request],
                   "cosine": [...], "max_abs": [...], "experts"?: [...]}],        (execution order)
@@ -66,7 +67,7 @@ def to_json(result: ParityResult) -> dict:
         "model": result.model, "architecture": result.architecture, "family": result.family,
         "passed": result.passed, "tolerances": result.tol, "meta": result.meta,
         "prompts": result.prompts, "prompt_texts": result.prompt_texts, "hints": result.hints,
-        "inputs": result.inputs,
+        "inputs": result.inputs, "constants": result.constants,
         "scenarios": {name: scenario_dict(s) for name, s in result.scenarios.items()},
     }
 
@@ -140,16 +141,20 @@ def format_summary(result: ParityResult) -> str:
             lines += ["  " + line for line in table.splitlines()]
             lines += [f"  hint: {h}" for h in loc.hints]
     lines += [f"hint: {h}" for h in result.hints]
-    lines += ["", "PASS" if result.passed else "DIVERGES: " + ", ".join(n for n, s in result.scenarios.items()
-                                                                        if not s.passed)]
+    failed = [n for n, s in result.scenarios.items() if not s.passed] + \
+        ["built constants"] * bool((result.constants or {}).get("mismatches"))
+    lines += ["", "PASS" if result.passed else "DIVERGES: " + ", ".join(failed)]
     return "\n".join(lines)
 
 
 def input_lines(result: ParityResult) -> list[str]:
     """What the harness did to its inputs and which length-dependent features they do not reach."""
-    inputs = result.inputs or {}
+    inputs, constants = result.inputs or {}, result.constants or {}
     return ([f"inputs: {n}" for n in inputs.get("notes", [])] +
-            [f"NOT EXERCISED: {n}" for n in inputs.get("not_exercised", [])])
+            [f"NOT EXERCISED: {n}" for n in inputs.get("not_exercised", [])] +
+            [f"CONSTANT DIFFERS: {m}" for m in constants.get("mismatches", [])] +
+            ([f"constants: {len(constants['checked'])} built constants equal the reference's (eps, attention scale, "
+              f"window, softcaps, rope)"] if constants.get("checked") and not constants.get("mismatches") else []))
 
 
 def _nan0(x: float) -> float:

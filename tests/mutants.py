@@ -129,6 +129,22 @@ class NanAtOnePositionLayer(LlamaDecoderLayer):
         return out * poison[:, None]  # the bug: NaN rows, which parity once took for "not computed"
 
 
+# -- below the numerical tolerance: eps 1e-5 instead of the config's 1e-6 (issue 12, class 7) -------------------
+class NormEpsSlightLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.post_attention_layernorm.eps = 1e-5  # the bug: ~2e-6 on the output, far below rel_l2 1e-4
+
+
+# -- the attention scale off: 1 / sqrt(head_dim / 2) (position 0 attends only to itself: unaffected) -----------
+class AttentionScaleLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.self_attn.attn.scale *= 2 ** 0.5  # the bug
+
+
 # -- sliding window one token too wide (Mistral) ------------------------------------------------------------
 class WindowOffByOneLayer(MistralDecoderLayer):
     def attention_kwargs(self, config, layer_idx):
@@ -249,6 +265,8 @@ MissingMlpResidual = _llama(MissingMlpResidualLayer)
 NanAtOnePosition = _llama(NanAtOnePositionLayer)
 WindowOffByOne = _mistral(WindowOffByOneLayer)
 DecodeRaises = _llama(DecodeRaisesLayer)
+NormEpsSlight = _llama(NormEpsSlightLayer)
+AttentionScale = _llama(AttentionScaleLayer)
 FeedForward = _llama(FeedForwardLayer)
 FeedForward.parity_taps = {"model.layers.{i}.feed_forward": "model.layers.{i}.mlp"}
 MoeNoRenorm = _mixtral(_router_layer(NoRenormRouter))
@@ -274,6 +292,11 @@ VARIANTS = {
     "feed_forward_tap_map": ("LlamaForCausalLM", "FeedForward"),
     "decode_raises": ("LlamaForCausalLM", "DecodeRaises"),  # not a variant: a model that crashes mid-way
 }
+# the planted bugs of issue 12's classes (tests/test_parity_blind_spots.py has their expectations)
+BLIND_SPOT_MUTANTS = {
+    "norm_eps_slight": ("LlamaForCausalLM", "NormEpsSlight"),
+    "attention_scale": ("LlamaForCausalLM", "AttentionScale"),
+}
 FAMILY = {"MixtralForCausalLM": "moe"}
 RULES_OF = {"MixtralForCausalLM": MIXTRAL_RULES}
 EXTRA_RULES = {"feed_forward_tap_map": Rules(renames=(Rename(".mlp.", ".feed_forward."),))}
@@ -281,7 +304,7 @@ EXTRA_RULES = {"feed_forward_tap_map": Rules(renames=(Rename(".mlp.", ".feed_for
 
 class MutantPlugin:
     def __init__(self, name: str):
-        self.arch, self.cls = {**MUTANTS, **VARIANTS}[name]
+        self.arch, self.cls = {**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS}[name]
         self.rules = RULES_OF.get(self.arch, LLAMA_RULES) + EXTRA_RULES.get(name, Rules())
 
     @hookimpl
@@ -297,7 +320,7 @@ def planted(name: str, registry=None):
     plugin_name = f"mutant-{name}"
     reg.register_plugin(MutantPlugin(name), name=plugin_name)
     try:
-        yield reg.get({**MUTANTS, **VARIANTS}[name][0])
+        yield reg.get({**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS}[name][0])
     finally:
         reg.unregister_plugin(plugin_name)
 

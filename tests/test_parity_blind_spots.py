@@ -152,3 +152,29 @@ def test_the_served_path_is_checked_without_hooks(llama):
     assert (s.first_divergence["request"], s.first_divergence["position"]) == (2, 5), s.first_divergence  # 6 tokens
     assert any(h.startswith("served diverges while prefill passes: the served path (no hooks): the fused native step")
                for h in result.hints), result.hints
+
+
+# -- 7. config-level mistakes below the tolerance ------------------------------------------------------------------
+def test_a_constant_below_the_tolerance_is_named(llama, capsys):
+    with planted("norm_eps_slight"):
+        result = run_parity(llama, scenarios=("prefill",))
+        rc = zoo_main(["parity", str(llama), "--scenario", "prefill", "--quiet"])
+    assert result.scenarios["prefill"].passed and not result.passed  # numerically within tolerance, still wrong
+    assert result.constants["mismatches"] == [f"{L}.post_attention_layernorm eps: zoo 1e-05, reference 1e-06"]
+    out = capsys.readouterr().out
+    assert rc == 1 and f"CONSTANT DIFFERS: {L}.post_attention_layernorm eps: zoo 1e-05" in out, out
+    assert "DIVERGES: built constants" in out
+
+
+# -- 8. hints ranked by evidence -------------------------------------------------------------------------------------
+def test_a_wrong_attention_scale_is_not_blamed_on_rotary(llama):
+    """Position 0 attends only to itself, so it matches whatever the scale: the hint must name the scale."""
+    with planted("attention_scale"):
+        result = run_parity(llama, scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    first, culprit = s.first_divergence, s.localization.culprit
+    assert (first["tap"], first["position"]) == (f"{L}.self_attn", 1), first
+    assert (culprit["block"], culprit["tap"], culprit["position"]) == (L, f"{L}.self_attn", 1), culprit
+    assert s.localization.hints[0].startswith(f"built with another constant than the reference: {L}.self_attn scale"), \
+        s.localization.hints
+    assert not any("rotary embedding (rotate-half" in h for h in s.localization.hints[:2]), s.localization.hints
