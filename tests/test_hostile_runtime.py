@@ -57,6 +57,15 @@ def test_edge_values_that_are_fine_stay_fine():
     SamplingParams(seed=-(2 ** 63))
 
 
+@pytest.mark.parametrize("field, value", [("block_size", 0), ("block_size", 2.5), ("num_blocks", 0),
+                                          ("max_model_len", -1), ("max_model_len", 0), ("kv_cache_memory", -5),
+                                          ("max_num_seqs", 0), ("max_num_batched_tokens", True)])
+def test_bad_engine_sizes_name_the_argument(tiny, field, value):
+    model, config = tiny
+    with pytest.raises(ValueError, match=rf"^LLMEngine: {field}={value!r} must be a positive integer"):
+        LLMEngine(model, config, **{field: value})
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ([1, VOCAB, 3], None, rf"prompt token 1 is {VOCAB}, outside the vocabulary of {VOCAB} tokens"),
     ([1, -1], None, "prompt token 1 is -1, outside"),

@@ -92,6 +92,12 @@ class LLMEngine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  device: torch.device | str | None = None, num_state_slots: int | None = None,
                  num_state_snapshots: int | None = None, processor=None, encoder_cache_rows: int | None = None):
+        sizes = dict(num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
+                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len)
+        for name, value in sizes.items():
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < 1):
+                raise ValueError(f"LLMEngine: {name}={value!r} must be a positive integer")
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer
