@@ -2,6 +2,8 @@
 float32, greedy, 2 torch threads. Both run in this one process, on the same prompts, one after the other.
 
     python bench/generate.py [--requests 16] [--new-tokens 64] [--repeat 5] [--decode-repeat 5] [--quick]
+    python bench/generate.py --multimodal [options]   # a random-weight LLaVA, 8 requests with one image each,
+                                    # vs transformers, see bench/generate_multimodal.py
     python bench/generate.py --moe [bench/generate_moe.py's options]   # the MoE case: a random-weight
                                     # Mixtral (8 experts, top-2) vs transformers, see bench/generate_moe.py
 
@@ -152,6 +154,11 @@ def verdict(ok: bool) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--multimodal" in argv:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import generate_multimodal
+
+        return generate_multimodal.main([a for a in argv if a != "--multimodal"])
     if "--moe" in argv:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import generate_moe
