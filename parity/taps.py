@@ -62,7 +62,7 @@ ROLES: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("norm", r"(^|\.)layers\.\d+\.\w*(layernorm|layer_norm|_norm)$"),
         ("attn", r"(^|\.)layers\.\d+\.self_attn$"),
         ("mlp", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)$"),
-        ("router", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.gate$"),
+        ("router", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)$"),
         ("shared_expert", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.shared_experts?$"),
         ("final_norm", r"^((?!layers\.).)*(^|\.)norm$"),
     )

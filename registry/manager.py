@@ -43,6 +43,7 @@ BUILTIN_PLUGINS = (
     "plugins.phi",
     "plugins.gpt_neox",
     "plugins.gpt2",
+    "plugins.granitemoe",
 )
 ENTRY_POINT_GROUP = "zoo"
 

@@ -71,4 +71,10 @@ REAL_CONFIGS = {
         model_type="gpt2", activation_function="gelu_new", layer_norm_epsilon=1e-05, n_ctx=1024, n_embd=768,
         n_head=12, n_layer=12, n_positions=1024, scale_attn_weights=True, vocab_size=50257, bos_token_id=50256,
         eos_token_id=50256),
+    "GraniteMoeForCausalLM": dict(  # ibm-granite/granite-3.0-1b-a400m-instruct
+        model_type="granitemoe", attention_multiplier=0.015625, embedding_multiplier=12.0, hidden_act="silu",
+        hidden_size=1024, intermediate_size=512, logits_scaling=6.0, max_position_embeddings=4096,
+        num_attention_heads=16, num_experts_per_tok=8, num_hidden_layers=24, num_key_value_heads=8,
+        num_local_experts=32, residual_multiplier=0.22, rms_norm_eps=1e-06, rope_theta=10000,
+        tie_word_embeddings=True, vocab_size=49155, bos_token_id=0, eos_token_id=0, pad_token_id=0),
 }

@@ -61,6 +61,8 @@ TINY_CONFIGS: dict[str, dict | Callable[[Path], Path]] = {
                                   hidden_act="gelu_pytorch_tanh"),
     "StableLmForCausalLM": dict(partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True),
     "CohereForCausalLM": dict(use_qk_norm=True, logit_scale=0.5, attention_bias=True, tie_word_embeddings=True),
+    "GraniteMoeForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0,
+                                  residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=4.0),
     "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96, tie_word_embeddings=True,
                             scale_attn_by_inverse_layer_idx=True, activation_function="gelu_new"),
     "GPTNeoXForCausalLM": dict(rotary_pct=0.5, hidden_act="gelu", layer_norm_eps=1e-5),
