@@ -8,7 +8,7 @@ Roles, in the order they usually fire inside one decoder layer:
     embed          ...embed_tokens                       [tokens, H]
     norm           ...layers.{i}.<something>layernorm    [tokens, H]   (input/post-attention/pre/post-ff)
     attn           ...layers.{i}.self_attn               [tokens, H]   (output after o_proj)
-    router         ...layers.{i}.mlp.gate                [tokens, E]   router logits (MoE only)
+    router         ...layers.{i}.mlp.gate | .router     [tokens, E]   router logits (MoE only)
     mlp            ...layers.{i}.mlp | block_sparse_moe  [tokens, H]   (MLP or whole MoE block)
     shared_expert  ...layers.{i}.mlp.shared_expert(s)    [tokens, H]
     layer          ...layers.{i}                         [tokens, H]   the decoder layer's output
