@@ -172,17 +172,17 @@ def _check(r: _Reader, size: int) -> None:
             raise SourceError([], f"{name}: tensor {_say(t)} has {dims[0]} elements per row, not a multiple of its "
                                   f"{_type_name(kind)} block of {block}")
         if offset % alignment:
-            raise SourceError([], f"{name}: tensor {_say(t)}'s data offset {offset} is not a multiple of the "
+            raise SourceError([], f"{name}: tensor {_say(t)}: its data offset {offset} is not a multiple of the "
                                   f"alignment {alignment}")
         tensors.append((offset, offset + n // block * block_bytes, t))
     data = r.pos + (-r.pos) % alignment
     prev_end, prev = 0, None
     for begin, end, t in sorted(tensors):
         if data + end > size:
-            raise SourceError([], f"{name}: tensor {_say(t)}'s data (bytes {data + begin}:{data + end}) runs past "
+            raise SourceError([], f"{name}: tensor {_say(t)}: its data (bytes {data + begin}:{data + end}) runs past "
                                   f"the end of the file ({size} bytes): truncated, or a lying header")
         if begin < prev_end:
-            raise SourceError([], f"{name}: tensor {_say(t)}'s data overlaps that of {_say(prev)}")
+            raise SourceError([], f"{name}: tensor {_say(t)}: its data overlaps that of {_say(prev)}")
         prev_end, prev = end, t
 
 
@@ -226,7 +226,13 @@ class GGUFSource(Source):
             self.reader = gguf.GGUFReader(path)
         except Exception as e:  # (check_header lets nothing malformed through; kept as a last line)
             raise SourceError([], f"{path.name}: not a readable GGUF file: {type(e).__name__}") from None
-        self.metadata = {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
+        self.metadata = {}
+        for k, f in self.reader.fields.items():
+            if not k.startswith("GGUF."):
+                try:
+                    self.metadata[k] = f.contents()
+                except (ValueError, TypeError, IndexError) as e:  # (a string value that is not UTF-8)
+                    raise SourceError([], f"{path.name}: metadata {_say(k)} cannot be read ({type(e).__name__})") from None
         self.architecture = str(self.metadata.get("general.architecture", ""))
         arch = self.architecture
         self.n_heads = self.metadata.get(f"{arch}.attention.head_count")

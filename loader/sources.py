@@ -237,10 +237,7 @@ class BinSource(Source):
         for f in files:
             if f.exists():
                 os.close(_open_regular(f, _rel(f, self.directory), self.directory))
-                try:
-                    sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
-                    sd = torch.load(f, map_location="cpu", weights_only=True)
+                sd = _torch_load(f, _rel(f, self.directory))
                 self._dicts[f] = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
         weight_map = _weight_map(index) if index else None
         key_file = _cross_check(self.directory, index, weight_map, {f: list(d) for f, d in self._dicts.items()},
@@ -253,6 +250,21 @@ class BinSource(Source):
     def get(self, key: str) -> torch.Tensor:
         self.info(key)
         return self._dicts[self._file_of[key]][key]
+
+
+def _torch_load(f: Path, name: str) -> dict:
+    """torch.load(weights_only=True): a pickle that would build anything but tensors (run code) is refused."""
+    try:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # (UnpicklingError for a payload; the message would quote the file: not shown)
+        raise SourceError([], f"{name}: torch.load(weights_only=True) refuses it ({type(e).__name__}): it holds "
+                              f"more than tensors, or is not a PyTorch checkpoint") from None
+    if not isinstance(sd, dict):
+        raise SourceError([], f"{name}: holds a {type(sd).__name__}, not a dict of tensors")
+    return sd
 
 
 def open_source(path_or_hub_id, *, allow_bin: bool = False, cache_dir=None, revision: str | None = None,

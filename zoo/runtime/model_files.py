@@ -169,18 +169,40 @@ def load_config(files: ModelFiles):
 def read_config(directory, name: str, **kw):
     """transformers' config from `directory` (kw: gguf_file=), validated; ConfigError (one line, naming `name`
     and the field) for whatever transformers raises on it (its strict-dataclass validation errors, a
-    KeyError for a rope type without its factor, a ZeroDivisionError for zero heads) and for what it accepts
-    but no model can be built from."""
+    KeyError for a rope type without its factor) and for what it accepts but no model can be built from.
+    config.json itself is validated first, so a field transformers would crash on (zero heads: a
+    ZeroDivisionError) is named."""
     from transformers import AutoConfig
 
     if not kw and Path(directory).is_dir():
         _check_side_files(Path(directory))
+        raw = _raw_config(Path(directory) / "config.json", name)
+        if raw is not None:
+            validate_config(raw, name)
     try:
         config = AutoConfig.from_pretrained(directory, **kw)
     except Exception as e:
         raise ConfigError(f"{name}: the config cannot be read: {first_line(e)}") from None
     validate_config(config, name)
     return config
+
+
+def _raw_config(f: Path, name: str) -> dict | None:
+    import json
+
+    if not f.is_file():
+        return None  # (transformers names what is missing)
+    if f.stat().st_size > 16 << 20:
+        raise ConfigError(f"{name}: config.json is {f.stat().st_size} bytes, not a config")
+    try:
+        raw = json.loads(f.read_bytes())
+    except RecursionError:
+        raise ConfigError(f"{name}: config.json nests JSON too deeply to be read") from None
+    except ValueError as e:
+        raise ConfigError(f"{name}: config.json is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: config.json is a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def first_line(e: BaseException) -> str:
@@ -195,18 +217,22 @@ def first_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def validate_config(config, name: str) -> None:
-    """Refuse (ConfigError naming the field) what transformers accepts but no model can be built from: sizes
-    and counts that are not integers > 0, non-finite or negative eps and rope theta, a rope scaling without a
-    usable factor, `architectures` that is not a list of strings, heads that do not divide."""
+def validate_config(config, name: str, prefix: str = "") -> None:
+    """Refuse (ConfigError naming the field) what no model can be built from: sizes and counts that are not
+    integers > 0, non-finite or negative eps and rope theta, a rope scaling without a usable factor,
+    `architectures` that is not a list of strings, heads that do not divide. `config` is a transformers
+    config or the raw config.json dict; a composite config's text_config is checked too."""
     def bad(field, value, why):
-        raise ConfigError(f"{name}: config {field}={_short(value)} {why}")
+        raise ConfigError(f"{name}: config {prefix}{field}={_short(value)} {why}")
 
-    archs = getattr(config, "architectures", None)
+    def get(obj, field):  # a dict's key or a config's attribute
+        return obj.get(field) if isinstance(obj, dict) else getattr(obj, field, None)
+
+    archs = get(config, "architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         bad("architectures", archs, "is not a list of strings (e.g. [\"LlamaForCausalLM\"])")
     for field in POSITIVE + NON_NEGATIVE:
-        v = getattr(config, field, None)
+        v = get(config, field)
         if v is None:
             continue
         least = 1 if field in POSITIVE else 0
@@ -216,13 +242,16 @@ def validate_config(config, name: str) -> None:
         elif isinstance(v, bool) or not isinstance(v, int) or v < least:
             bad(field, v, f"is not an integer >= {least}")
     for field, least in FLOATS:
-        v = getattr(config, field, None)
+        v = get(config, field)
         if v is not None and (not _number(v) or (v <= 0 if least is None else v < least)):
             bad(field, v, "is not a finite number " + ("> 0" if least is None else f">= {least}"))
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv = get(config, "num_attention_heads"), get(config, "num_key_value_heads")
     if heads and kv and heads % kv:
         bad("num_attention_heads", heads, f"is not a multiple of num_key_value_heads={kv}")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    text = get(config, "text_config")
+    if text is not None and text is not config and not prefix:
+        validate_config(text, name, "text_config.")
+    rope = get(config, "rope_parameters") or get(config, "rope_scaling")
     per_type = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]
     for r in per_type:
         if r is None:
