@@ -4,6 +4,9 @@
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
     while engine.has_unfinished_requests():
         for out in engine.step(): ...   # RequestOutput with the step's delta and the text so far
+
+Not thread-safe: one thread drives an engine (zoo.LLM serialises its callers' generate / stream calls).
+Bad input is refused at add_request (ValueError naming the field), never inside step().
 """
 from __future__ import annotations
 
