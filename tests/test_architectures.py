@@ -141,3 +141,27 @@ def test_interleaved_heads_land_in_q_k_v_order(tmp_path):
         for part in range(3):
             want = held[(3 * h + part) * d:(3 * h + part + 1) * d]
             assert torch.equal(ours[(part * heads + h) * d:(part * heads + h + 1) * d], want), (h, part)
+
+
+def test_run_and_inspect_say_which_path_a_step_takes(tmp_path, capsys):
+    """Gemma overrides only construction hooks (make_mlp, norm_class, embed_scale): it keeps the fused native
+    step. Granite overrides embed (its multiplier) and still runs, on the module path, and both commands say why."""
+    from zoo import kernels
+    from zoo.cli import main as zoo_main
+
+    if not kernels.enabled():
+        pytest.skip("native kernels are not built here")
+    paths = {arch: save_arch(arch, tmp_path / arch) for arch in ("GemmaForCausalLM", "GraniteForCausalLM")}
+    said = {}
+    for arch, path in paths.items():
+        model, config, *_ = build_model(path)
+        said[arch] = LLMEngine(model, config, block_size=4).runner.step_path
+        assert zoo_main(["inspect", str(path)]) == 0
+        said[f"inspect {arch}"] = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said["GemmaForCausalLM"].startswith("fused native step")
+    assert said["inspect GemmaForCausalLM"].startswith("step: the fused native step")
+    why = "GraniteForCausalLM or GraniteModel overrides forward, compute_logits or embed"
+    assert said["GraniteForCausalLM"].startswith("module path (native kernels per module)") and why in said[
+        "GraniteForCausalLM"]
+    assert said["inspect GraniteForCausalLM"] == f"step: the module path: the fused step does not apply: {why} " \
+                                                 f"(the driver reproduces plugins.llama's)"

@@ -58,7 +58,19 @@ def run(args) -> int:
             print(f"  ... and {len(p.problems) - SHOWN} more problems")
         return 1
     print(f"ok: every checkpoint tensor and every element of every parameter is accounted for")
+    if not args.transformers:
+        print(f"step: {_step_path(model)}")
     return 0
+
+
+def _step_path(model) -> str:
+    """Which path `zoo run` takes with this model on the CPU in float32 (docs/plugins.md: the fast path's rules)."""
+    from zoo.kernels.fused import FusedDecoder
+
+    why = FusedDecoder.qualify(model, None)
+    if why == "qualifies":
+        return "the fused native step (one call per step) in float32 on the CPU"
+    return f"the module path: the fused step does not apply: {why}"
 
 
 def _build(source, use_transformers: bool):

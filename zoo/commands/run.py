@@ -196,6 +196,7 @@ def _load(args):
     kv = llm.engine.kv
     progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s; KV pool holds "
                   f"{kv.pool.num_blocks * kv.block_size} tokens ({llm.engine.kv_bytes_per_token} B/token)")
+    print(f"zoo: {llm.engine.runner.step_path}", file=sys.stderr)
     return llm
 
 

@@ -82,65 +82,92 @@ class FusedDecoder:
     @classmethod
     def build(cls, model, kv_caches: dict[str, torch.Tensor]) -> "FusedDecoder | None":
         """The driver for this model and these caches, or None when either does not qualify."""
+        built = cls.qualify(model, kv_caches)
+        return built if isinstance(built, FusedDecoder) else None
+
+    @classmethod
+    def qualify(cls, model, kv_caches: dict[str, torch.Tensor] | None) -> "FusedDecoder | str":
+        """The driver, or the reason the model does not qualify (one line). Without caches (`zoo inspect`, on
+        a model built on the meta device) only the structure is checked, and a model that passes gets the
+        string "qualifies" (weights and caches must then be float32 on the CPU)."""
         if not kernels.enabled():
-            return None
+            return "native kernels are off (ZOO_FAST=0, or not built for this machine)"
         try:
             return cls._build(model, kv_caches)
-        except (AttributeError, TypeError, KeyError):  # another structure than the one the driver knows
-            return None
+        except (AttributeError, TypeError, KeyError) as e:  # another structure than the one the driver knows
+            return f"its structure is not the one the driver knows ({type(e).__name__}: {e})"
 
     @classmethod
     def _build(cls, model, kv_caches):
         inner = model.model
         if not (_own_forwards(model, _FORWARDS["model"]) and _own_forwards(inner, _FORWARDS["model.model"])):
-            return None
+            return (f"{type(model).__name__} or {type(inner).__name__} overrides forward, compute_logits or embed "
+                    f"(the driver reproduces {_PLUGIN}'s)")
         embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
         if not (type(embed) is VocabEmbedding and type(head) is LMHead
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
-            return None
+            return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
         layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             core = attn.attn
             fn = getattr(type(layer), "forward", None)
             kind = _LAYERS.get((getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)))
-            if not (kind and _own_forwards(attn, _FORWARDS["attention"])
-                    and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
-                    and type(core) is Attention and core.softcap is None and type(attn.rotary_emb) is RotaryEmbedding
-                    and attn.rotary_emb.native and type(mlp) is GatedMLP and mlp.kind in _ACTS
-                    and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear):
-                return None
+            if not kind:
+                return (f"{layer.prefix}: {type(layer).__name__}.forward is not one the driver knows "
+                        f"({', '.join(q for q, _ in _LAYERS)})")
+            if not _own_forwards(attn, _FORWARDS["attention"]):
+                return f"{attn.prefix}: {type(attn).__name__} overrides {' or '.join(_FORWARDS['attention'])}"
+            if not (type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear and type(core) is Attention
+                    and type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear
+                    and type(mlp.down_proj) is Linear):
+                return f"{layer.prefix}: a projection, the attention core or the MLP is not of the shared kinds"
+            if core.softcap is not None:
+                return f"{attn.prefix}: softcapped attention scores"
+            rope = attn.rotary_emb
+            if not (type(rope) is RotaryEmbedding and rope.native):
+                return (f"{attn.prefix}: rotary {'none (NoPE)' if rope is None else getattr(rope, 'rope_type', rope)} "
+                        f"(needs rotate-half, one table for every context length)")
+            if mlp.kind not in _ACTS:
+                return f"{layer.prefix}.mlp: activation without a fused kernel"
             if kind == "gemma3":  # the attention's and the MLP's outputs are normed before the residual adds
                 ln1, post_attn, ln2, post_ff = (layer.input_layernorm, layer.post_attention_layernorm,
                                                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
             else:
                 ln1, post_attn, ln2, post_ff = layer.input_layernorm, None, layer.post_attention_layernorm, None
-            qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (None, None)
+            names = type(attn).qk_norm_names
+            qk = tuple(getattr(attn, n) for n in names) if hasattr(attn, names[0]) else (None, None)
             if any(n is not None and n.weight.shape != (core.head_dim,) for n in qk):
-                return None
+                return f"{attn.prefix}: q/k norms that are not one norm on the head dim"
             extra = [n for n in (*qk, post_attn, post_ff) if n is not None]
             norms += [ln1, ln2, *extra]
-            ropes.append(attn.rotary_emb)
+            ropes.append(rope)
             shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size,
                        mlp.kind))
-            cache = kv_caches[attn.prefix]
-            if cache.dtype is not torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
-                return None
             mods = (ln1, attn.qkv_proj, attn.o_proj, ln2, mlp.gate_up_proj, mlp.down_proj)
             w = [m.weight for m in mods]
             b = [getattr(m, "bias", None) for m in mods]
             params += w + [x for x in b if x is not None] + [n.weight for n in extra]
+            if kv_caches is None:
+                continue
+            cache = kv_caches[attn.prefix]
+            if cache.dtype is not torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
+                return f"{attn.prefix}: the KV cache is not float32, contiguous, on the CPU"
             layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
                                  _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), *(_weight(n) for n in (*qk, post_attn, post_ff)),
                                  None, None, cache.data_ptr(), core.sliding_window or 0))
         kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
-        if len(eps) != 1 or len(shape) != 1 or not layers or kinds not in ({RMSNorm}, {GemmaRMSNorm}):
-            return None
+        if kinds not in ({RMSNorm}, {GemmaRMSNorm}):
+            return f"norms of kinds {sorted(k.__name__ for k in kinds)} (needs RMSNorm or GemmaRMSNorm throughout)"
+        if len(eps) != 1 or len(shape) != 1 or not inner.layers:
+            return "layers differ in norm eps, heads, head dim, scale, MLP size or activation"
+        if kv_caches is None:
+            return "qualifies"
         if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
-            return None
+            return "weights are not float32, contiguous, on the CPU"
         distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
         if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
-            return None
+            return "layers rotate different numbers of dims"
         (heads, kv_heads, head_dim, scale, inter, act), = shape
         meta = dict(eps=eps.pop(), ropes=distinct, layer_rope=[distinct.index(r) for r in ropes], heads=heads,
                     kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,

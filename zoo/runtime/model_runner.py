@@ -54,7 +54,11 @@ class ModelRunner:
         self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
         self.last_timings: dict[str, float] = {}  # seconds of prepare / forward / logits / sample; requests, tokens
         self.packed_bytes = kernels.pack_weights(model) if native else 0
-        self.fused = FusedDecoder.build(model, self.kv_caches) if native else None
+        built = FusedDecoder.qualify(model, self.kv_caches) if native else "the device is not the CPU"
+        self.fused = built if isinstance(built, FusedDecoder) else None
+        # which path a step takes, and why (zoo run says it; docs/plugins.md: what keeps a model on the fast one)
+        self.step_path = "fused native step (one call per step)" if self.fused is not None else \
+            f"module path ({'native kernels per module' if native else 'torch'}): the fused step does not apply: {built}"
         self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
