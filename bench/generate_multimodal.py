@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_moe import best_of  # noqa: E402  (the best of `repeat` runs after a warm-up)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -73,16 +75,6 @@ def images(n: int, size: int):
             draw.ellipse((x, y, x + 40, y + 30), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
         out.append(im)
     return out
-
-
-def best_of(fn, repeat: int) -> tuple[float, object]:
-    fn()  # warm-up
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def main(argv=None) -> int:
