@@ -85,6 +85,14 @@ class _Reader:
         except UnicodeDecodeError:
             raise SourceError([], f"{self.name}: {what} is not UTF-8 text") from None
 
+    def unique(self, seen: set, what: str, label: str) -> str:
+        """A string that must not repeat one already in `seen` (a metadata key, a tensor name)."""
+        s = self.string(what)
+        if s in seen:
+            raise SourceError([], f"{self.name}: {label} {_say(s)} appears twice")
+        seen.add(s)
+        return s
+
     def value(self, kind: int, what: str, depth: int = 0):
         """Skip (or, for the scalars and strings the header needs, return) one metadata value."""
         if kind in SCALARS:
@@ -141,10 +149,7 @@ def _check(r: _Reader, size: int) -> None:
                               f"than its {size} bytes can describe")
     keys, alignment = set(), 32
     for i in range(n_kv):
-        key = r.string(f"metadata key {i}")
-        if key in keys:
-            raise SourceError([], f"{name}: metadata key {_say(key)} appears twice")
-        keys.add(key)
+        key = r.unique(keys, f"metadata key {i}", "metadata key")
         kind = r.unpack("<I", f"metadata {_say(key)}")
         v = r.value(kind, f"metadata {_say(key)}")
         if key == "general.alignment":
@@ -154,10 +159,7 @@ def _check(r: _Reader, size: int) -> None:
     types = supported_types()
     tensors, names = [], set()
     for i in range(n_tensors):
-        t = r.string(f"the name of tensor {i}")
-        if t in names:
-            raise SourceError([], f"{name}: tensor {_say(t)} appears twice")
-        names.add(t)
+        t = r.unique(names, f"the name of tensor {i}", "tensor")
         n_dims = r.unpack("<I", f"tensor {_say(t)}")
         if n_dims > MAX_DIMS:
             raise SourceError([], f"{name}: tensor {_say(t)} has {n_dims} dims (GGUF allows at most {MAX_DIMS})")

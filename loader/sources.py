@@ -311,6 +311,7 @@ def _open_local(path: Path, allow_bin: bool) -> Source:
     if (path / "pytorch_model.bin.index.json").exists() or sorted(path.glob("*.bin")):
         return _open_bin(path, allow_bin, None)
     if len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        check_file(ggufs[0], path)  # (found in the directory, not named: it must live there)
         return _open_local(ggufs[0], allow_bin)
     raise SourceError([], f"no weights in {path}: looked for model.safetensors, model.safetensors.index.json, "
                           f"*.safetensors, one *.gguf (and pytorch_model*.bin with allow_bin=True)")

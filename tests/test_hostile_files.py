@@ -130,6 +130,15 @@ def symlinked_config(d, out):
     return str(d), ["config.json", "outside the checkpoint directory"]
 
 
+def gguf_symlink_outside(d, out):
+    """A directory whose one .gguf links to a (valid) GGUF elsewhere."""
+    shutil.rmtree(d)
+    d.mkdir()
+    (out / "other.gguf").write_bytes(gguf_bytes())
+    (d / "model.gguf").symlink_to(out / "other.gguf")
+    return str(d), ["model.gguf", "outside the checkpoint directory"]
+
+
 def fifo_shard(d, out):
     shard = shards(d)[0]
     shard.unlink()
@@ -345,7 +354,7 @@ def nan_weights(d, out):
 
 
 SECURITY = [traversal, absolute, dev_zero, traversal_to_a_real_shard, symlink_to_a_real_shard,
-            symlink_to_a_secret, symlinked_config, fifo_shard, fifo_index, fifo_config]
+            symlink_to_a_secret, symlinked_config, gguf_symlink_outside, fifo_shard, fifo_index, fifo_config]
 CASES = (
     [Case(f.__name__, f, 2, None, security=True, api=f not in (symlinked_config, fifo_config)) for f in SECURITY]
     + [Case(f.__name__, f, 1, None) for f in (truncated, overlapping, duplicate_key, wrong_byte_count)]

@@ -76,6 +76,9 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
+            from loader.sources import check_file
+
+            check_file(ggufs[0], path)  # (found in the directory, not named: it must live there)
             return _gguf(ggufs[0])
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path}: no config.json (not a Hugging Face model directory)")
