@@ -38,6 +38,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-replay", action="store_true", help="skip the per-layer replay (localisation)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="a multimodal model: also compare the vision layers, projector, merged embeddings and "
+                             "logits of a prompt with these images (repeatable; parity.multimodal)")
+    parser.add_argument("--image-prompt", metavar="TEXT",
+                        help="with --image: the prompt (default: the image token per image, 'Describe the image.')")
 
 
 def unwritable(path: str) -> str | None:
@@ -94,6 +99,15 @@ def run(args) -> int:
                             tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                             block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
                             replay=not args.no_replay, progress=say)
+        images = None
+        if args.image:
+            from parity.multimodal import image_parity
+
+            say(f"image parity: {len(args.image)} image(s)")
+            try:
+                images = image_parity(model, args.image_prompt, args.image, tol_overrides=overrides)
+            except (ValueError, AttributeError) as e:  # an undecodable image, a model without images
+                raise ParityUsageError(f"--image: {e}") from e
     except ParityUsageError as e:
         print(f"zoo parity: {e}", file=sys.stderr)
         return 2
@@ -105,10 +119,14 @@ def run(args) -> int:
         if tmp is not None:
             tmp.cleanup()
     print(format_summary(result))
+    if images is not None:
+        from parity.multimodal import format_image_parity
+
+        print(format_image_parity(images))
     if args.json:
         write_json(result, args.json)
         say(f"wrote {args.json}")
     if args.html:
         write_html(result, args.html)
         say(f"wrote {args.html}")
-    return 0 if result.passed else 1
+    return 0 if result.passed and (images is None or images.passed) else 1

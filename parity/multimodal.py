@@ -100,13 +100,18 @@ def _zoo_batch(num_tokens: int) -> ForwardBatch:
 
 
 @torch.no_grad()
-def image_parity(model: str, prompt: str | list[int], images: list, *, tol_overrides: dict | None = None
+def image_parity(model: str, prompt: str | list[int] | None, images: list, *, tol_overrides: dict | None = None
                  ) -> ImageParity:
+    """`prompt` None: the model's image token once per image, then "Describe the image."."""
     files = resolve_model(model)
     zoo_model, config, spec, _ = build_model(files.path)
     ref = load_reference(files.path)
     tol = tolerances("multimodal", tol_overrides)
-    mm = MultiModal(zoo_model, load_processor(files), tokenizer=load_tokenizer(files))
+    tokenizer = load_tokenizer(files)
+    mm = MultiModal(zoo_model, load_processor(files), tokenizer=tokenizer)
+    if prompt is None:
+        token = tokenizer.convert_ids_to_tokens(zoo_model.image_token_id)
+        prompt = " ".join([token] * len(images) + ["Describe the image."])
     ids, items = mm.process("parity", prompt, images)
     taps = _vision_taps(zoo_model, ref)
 
@@ -173,3 +178,14 @@ def _logits(name, ref, got, tol) -> ImageTap:
     kl = float(m.kl.max())
     return ImageTap(name, "logits" if name == "logits" else "lm_only", ref.shape[0], float(rows.rel_l2.max()),
                     float(rows.cosine.min()), kl, passed=kl <= tol["kl_max"] and float(m.kl.mean()) <= tol["kl_mean"])
+
+
+def format_image_parity(result: ImageParity) -> str:
+    lines = [f"image parity ({result.architecture}): {'pass' if result.passed else 'DIVERGES'}"
+             + (f", first at {result.first_divergence}" if result.first_divergence else ""),
+             f"  {'tap':<44} {'role':<9} {'rows':>5} {'rel_l2':>10} {'cosine':>12} {'kl_max':>10}"]
+    for t in result.taps:
+        kl = "" if t.kl is None else f"{t.kl:10.2e}"
+        lines.append(f"  {t.name:<44} {t.role:<9} {t.rows:5d} {t.rel_l2:10.2e} {t.cosine:12.9f} {kl:>10}"
+                     + ("" if t.passed else "  <-"))
+    return "\n".join(lines)

@@ -160,3 +160,18 @@ def test_image_parity_names_a_planted_vision_bug(llava, monkeypatch):
     assert result.first_divergence == "model.vision_tower.encoder.layers.0"
     failed = {t.role for t in result.taps if not t.passed}
     assert {"vision", "projector", "merged", "logits", "lm_only"} <= failed
+
+
+def test_zoo_parity_with_images(llava, tmp_path, capsys):
+    from zoo.cli import main
+
+    if llava["name"] != "llama":
+        pytest.skip("one command line is enough")
+    random_image(8).save(tmp_path / "a.png")
+    args = ["parity", str(llava["path"]), "--scenario", "prefill", "--quiet", "--image", str(tmp_path / "a.png")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "image parity (LlavaForConditionalGeneration): pass" in out and "model.multi_modal_projector" in out
+    (tmp_path / "b.png").write_bytes(b"no image")
+    assert main(args[:-1] + [str(tmp_path / "b.png")]) == 2
+    assert "cannot be decoded" in capsys.readouterr().err
