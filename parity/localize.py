@@ -41,6 +41,11 @@ HINTS = {
     "norm": "RMSNorm: eps, weight offset (Gemma stores w - 1 and computes x * (1 + w)), or the dtype the product is taken in",
     "attn": "attention: q/k/v projection split, head_dim, scaling, q/k norm, KV-head grouping or the rotary embedding",
     "router": "router gate: its weight, or which input it sees",
+    "mixer_in": "SSM mixer input: in_proj's split order (gate | xBC | dt) or its bias",
+    "mixer_conv": "SSM mixer conv: the causal window (zeros before the sequence, K - 1 carried inputs), conv bias, SiLU",
+    "mixer_norm": "SSM scan or gated norm: dt softplus / bias / clamp, A = -exp(A_log), D skip, chunk alignment, "
+                  "state carried across steps, or the gate applied before the group RMS",
+    "mixer": "SSM mixer: out_proj, or (Mamba1) the D skip and the silu(z) gate",
     "mlp": "MLP / MoE: gate/up order in the fused gate_up_proj, the activation (silu vs gelu), expert stacking or combine weights",
     "shared_expert": "shared expert: its MLP or its sigmoid gate",
     "layer": "the decoder layer's residual adds (every sub-block inside it matches)",

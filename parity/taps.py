@@ -8,6 +8,10 @@ Roles, in the order they usually fire inside one decoder layer:
     embed          ...embed_tokens                       [tokens, H]
     norm           ...layers.{i}.<something>layernorm    [tokens, H]   (input/post-attention/pre/post-ff)
     attn           ...layers.{i}.self_attn               [tokens, H]   (output after o_proj)
+    mixer_in       ...layers.{i}.(mixer|mamba).in_proj   [tokens, P]   SSM mixer: the input projection
+    mixer_conv     ...layers.{i}.mamba.x_proj            [tokens, r+2N] Mamba1: dt/B/C from the conv's output
+    mixer_norm     ...layers.{i}.(mixer|mamba).norm      [tokens, I]   Mamba2: the gated norm of the scan's output
+    mixer          ...layers.{i}.(mixer|mamba)           [tokens, H]   the whole SSM mixer (after out_proj)
     router         ...layers.{i}.mlp.gate | .router     [tokens, E]   router logits (MoE only)
     mlp            ...layers.{i}.mlp | block_sparse_moe  [tokens, H]   (MLP or whole MoE block)
     shared_expert  ...layers.{i}.mlp.shared_expert(s)    [tokens, H]
@@ -61,6 +65,12 @@ ROLES: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("layer", r"(^|\.)layers\.\d+$"),
         ("norm", r"(^|\.)layers\.\d+\.\w*(layernorm|layer_norm|_norm)$"),
         ("attn", r"(^|\.)layers\.\d+\.self_attn$"),
+        # SSM mixers (Mamba2, Bamba: `mixer` / `mamba`): in_proj's output (gate | xBC | dt), Jamba's x_proj
+        # (dt | B | C from the conv's output), the gated norm (its input is the scan's output), the whole mixer
+        ("mixer_in", r"(^|\.)layers\.\d+\.(mixer|mamba)\.in_proj$"),
+        ("mixer_conv", r"(^|\.)layers\.\d+\.mamba\.x_proj$"),
+        ("mixer_norm", r"(^|\.)layers\.\d+\.(mixer|mamba)\.norm$"),
+        ("mixer", r"(^|\.)layers\.\d+\.(mixer|mamba)$"),
         ("mlp", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)$"),
         ("router", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)$"),
         ("shared_expert", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.shared_experts?$"),

@@ -53,10 +53,14 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endf
 
 def save_chat_model(path, **overrides):
     """A tiny Llama (vocab 128 = WORDS) with a word-level tokenizer and a chat template, no network."""
+    return save_word_tokenizer(save_tiny("LlamaForCausalLM", path, **overrides))
+
+
+def save_word_tokenizer(path):
+    """Write the word-level tokenizer of WORDS (vocab 128) with a chat template into a checkpoint dir."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    path = save_tiny("LlamaForCausalLM", path, **overrides)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",

@@ -50,6 +50,8 @@ def run(args) -> int:
         print(f"ignored: {key} in {file}: {reason}")
     for t in p.ties:
         print(f"tie: {t}")
+    if not args.transformers:
+        print(_cache_line(model))
     if p.problems:
         print(f"{len(p.problems)} problems:")
         for problem in p.problems[:SHOWN]:
@@ -97,6 +99,19 @@ def _build(source, use_transformers: bool):
     from zoo.build import rules_for
 
     return model, rules_for(spec, model), f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
+
+
+def _cache_line(model) -> str:
+    """What the runtime's pools cost, from the modules' cache specs (at the dtype the model was built in)."""
+    from zoo.runtime.kv_cache import bytes_per_token, cache_specs
+    from zoo.runtime.state_pool import bytes_per_request, state_specs
+
+    kv, states = cache_specs(model), state_specs(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    line = f"cache ({dtype}): KV pool {bytes_per_token(kv):,} bytes per token ({len(kv)} layers)"
+    if states:
+        line += f"; recurrent state pool {bytes_per_request(states):,} bytes per request ({len(states)} layers)"
+    return line
 
 
 def _fold(rows):
