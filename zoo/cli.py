@@ -15,6 +15,7 @@ import sys
 
 BUILTIN = {
     "run": ("zoo.commands.run", "generate text from a model (no MODEL: the embedded default)"),
+    "serve": ("zoo.commands.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "list": ("zoo.commands.list", "list the supported architectures"),
     "inspect": ("zoo.commands.inspect", "show the loader's plan for a checkpoint, from headers only"),
 }

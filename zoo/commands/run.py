@@ -173,7 +173,8 @@ def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
     return ids
 
 
-def _load(args):
+def _load(args, **engine):
+    """The LLM of args.model (args.dtype; `engine`: more LLM keywords), or the exit status after saying why."""
     from loader import LoadError
     from registry import RegistryError, UnsupportedArchitecture
     from zoo.build import exit_status
@@ -184,7 +185,7 @@ def _load(args):
     progress = Progress()
     try:
         progress("starting")
-        llm = LLM(args.model, dtype=args.dtype, progress=progress)
+        llm = LLM(args.model, dtype=args.dtype, progress=progress, **engine)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError) as e:
         progress.done("failed")
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
@@ -226,6 +227,6 @@ def _generate(llm, request: list[int] | dict, params) -> str | None:
     return text
 
 
-def _fail(msg: str, code: int) -> int:
-    print(f"zoo run: error: {msg}", file=sys.stderr)
+def _fail(msg: str, code: int, command: str = "zoo run") -> int:
+    print(f"{command}: error: {msg}", file=sys.stderr)
     return code

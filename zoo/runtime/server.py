@@ -1,0 +1,423 @@
+"""The OpenAI-compatible HTTP API of `zoo serve` (FastAPI), over one EngineLoop shared by every connection.
+
+    app = create_app(llm, served_model_name="tiny", api_key="secret")   # then uvicorn.run(app, ...)
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent events
+ending with `data: [DONE]`; `stream_options.include_usage`: a last chunk with the usage), GET /health,
+GET /metrics (Prometheus text). With an api_key, /v1/* needs `Authorization: Bearer KEY` (401 without).
+A bad request is a 400 whose OpenAI-style body names the field (`param`), with SamplingParams' own message;
+a client that goes away has its requests aborted and their KV blocks freed.
+
+Sampling fields beyond OpenAI's, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens. `n` samples are n engine requests with the same prompt
+(the prefix cache shares its blocks); with a seed, sample j gets seed + j.
+"""
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+
+from zoo.runtime import chat_template
+from zoo.runtime.engine_loop import EngineLoop
+from zoo.runtime.sampling_params import SamplingParams
+
+# body field -> SamplingParams field (the same name unless listed)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                   "skip_special_tokens")
+UNSUPPORTED = {  # field -> the value that is fine to send (anything else is refused, naming the field)
+    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
+}
+MAX_N = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def _param_of(message: str, fields: dict[str, str]) -> str | None:
+    """The body field a SamplingParams / engine ValueError is about."""
+    m = re.match(r"SamplingParams\.(\w+)=", message)
+    if m:
+        return fields.get(m.group(1), m.group(1))
+    return "prompt" if "prompt" in message else None
+
+
+class OpenAIServer:
+    def __init__(self, llm, *, served_model_name: str, api_key: str | None = None):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.loop = EngineLoop(self.engine)
+        self.created = int(time.time())
+        self.num_requests = 0
+
+    # -- checks --------------------------------------------------------------------------------------
+    def check_key(self, headers) -> None:
+        if self.api_key is None:
+            return
+        got = headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                           kind="authentication_error")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "not_found_error")
+
+    def sampling(self, body: dict, max_tokens, max_tokens_field: str, prompt_len: int, *, logprobs=None
+                 ) -> SamplingParams:
+        for name, fine in UNSUPPORTED.items():
+            if name in body and body[name] not in fine:
+                raise bad(f"{name} is not supported by zoo serve", name)
+        if max_tokens is None:  # OpenAI's chat default: as many as the context leaves
+            max_tokens = max(1, self.engine.max_model_len - prompt_len)
+        kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+        if "temperature" not in kwargs:
+            kwargs["temperature"] = 1.0
+        if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
+            raise bad("stop: at most 16 stop strings", "stop")
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        except ValueError as e:
+            raise bad(str(e), _param_of(str(e), {"max_tokens": max_tokens_field, "logprobs": "logprobs"})) from None
+        except TypeError as e:
+            raise bad(str(e)) from None
+
+    def n_of(self, body: dict) -> int:
+        n = body.get("n", 1)
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise bad(f"n={n!r}: must be an integer in [1, {MAX_N}]", "n")
+        return n
+
+    # -- prompts ---------------------------------------------------------------------------------------
+    def completion_prompts(self, body: dict) -> list:
+        if "prompt" not in body:
+            raise bad("prompt is required", "prompt")
+        p = body["prompt"]
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return list(p)
+        if isinstance(p, list) and p and all(isinstance(x, list) and x and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+            return list(p)
+        raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                  "prompt")
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+        plain = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                           for c in content):
+                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                content = "".join(c["text"] for c in content)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+            plain.append({"role": m["role"], "content": content})
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise bad(f"{self.model_name} has no chat template: use /v1/completions", "messages")
+        try:
+            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name)
+        except ValueError as e:
+            raise bad(str(e).removesuffix("; use --no-chat"), "messages") from None
+
+    # -- requests into the engine loop ------------------------------------------------------------------
+    def start(self, prompts_params: list[tuple[object, SamplingParams]], rid: str, field: str, queue, aloop
+              ) -> list[str]:
+        """Add every (prompt, params), each choice's outputs arriving on `queue` as (index, item); all or none."""
+        added = []
+        try:
+            for i, (prompt, params) in enumerate(prompts_params):
+                sink = (lambda i: lambda item: aloop.call_soon_threadsafe(queue.put_nowait, (i, item)))(i)
+                added.append(self.loop.add(prompt, params, sink, request_id=f"{rid}-{i}"))
+        except ValueError as e:
+            for a in added:
+                self.loop.abort(a)
+            msg = str(e)
+            raise bad(msg, _param_of(msg, {}) if "SamplingParams" in msg else field) from None
+        self.num_requests += 1
+        return added
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def logprobs_of(self, entries: list[dict[int, float]], chat: bool, n_top: int, offset: int = 0):
+        """OpenAI's logprobs for these tokens' entries (sampled token first, then the top ones)."""
+        if chat:
+            content = []
+            for d in entries:
+                tok, lp = next(iter(d.items()))
+                ranked = sorted(d.items(), key=lambda kv: -kv[1])[:n_top]
+                content.append({"token": self.token_text(tok), "logprob": lp,
+                                "bytes": list(self.token_text(tok).encode()),
+                                "top_logprobs": [{"token": self.token_text(t), "logprob": v,
+                                                  "bytes": list(self.token_text(t).encode())} for t, v in ranked]})
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for d in entries:
+            tok, lp = next(iter(d.items()))
+            text = self.token_text(tok)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self.token_text(t): v for t, v in sorted(d.items(), key=lambda kv: -kv[1])
+                                        [:n_top]})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+
+def create_app(llm, *, served_model_name: str, api_key: str | None = None):
+    """The FastAPI app; its engine loop starts with the app (lifespan) and stops with it."""
+    import contextlib
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        yield
+        server.loop.close()
+
+    app = FastAPI(title="zoo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                     kind="internal_server_error").body(), status_code=500)
+
+    async def json_body(request: Request) -> dict:
+        server.check_key(request.headers)
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise bad("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        server.check_model(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise bad(f"stream={stream!r}: must be true or false", "stream")
+        opts = body.get("stream_options")
+        if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False),
+                                                                                (bool, type(None)))):
+            raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+        return body
+
+    @app.get("/health")
+    async def health():
+        alive = server.loop._thread.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(server), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_key(request.headers)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "zoo", "max_model_len": server.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await json_body(request)
+        prompts, n = server.completion_prompts(body), server.n_of(body)
+        lp = body.get("logprobs")
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20):
+            raise bad(f"logprobs={lp!r}: must be an integer in [0, 20]", "logprobs")
+        max_tokens = body.get("max_tokens", 16)
+        jobs = []
+        for p in prompts:
+            for j in range(n):
+                params = server.sampling(body, max_tokens, "max_tokens", 0, logprobs=lp)
+                if params.seed is not None:
+                    params.seed += j
+                jobs.append((p, params))
+        return await respond(request, body, jobs, chat=False, n_top=lp or 0, n=n)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await json_body(request)
+        n = server.n_of(body)
+        ids = await asyncio.to_thread(server.chat_prompt, body)
+        want_lp = body.get("logprobs", False)
+        if not isinstance(want_lp, (bool, type(None))):
+            raise bad(f"logprobs={want_lp!r}: must be true or false (top_logprobs: how many)", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise bad(f"top_logprobs={top!r}: must be an integer in [0, 20]", "top_logprobs")
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        jobs = []
+        for j in range(n):
+            params = server.sampling(body, body.get(field), field, len(ids),
+                                     logprobs=(top or 0) if want_lp else None)
+            if params.seed is not None:
+                params.seed += j
+            jobs.append((ids, params))
+        return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n)
+
+    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        field = "messages" if chat else "prompt"
+        ids = await asyncio.to_thread(server.start, jobs, rid, field, queue, aloop)
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": server.model_name}
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n), media_type="text/event-stream")
+        finals: dict[int, object] = {}
+        try:
+            while len(finals) < len(ids):
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if isinstance(item, Exception):
+                    raise APIError(500, f"the engine failed: {type(item).__name__}: {item}",
+                                   kind="internal_server_error")
+                if item.finished:
+                    finals[i] = item
+        finally:
+            for i, rid_i in enumerate(ids):
+                if i not in finals:
+                    server.loop.abort(rid_i)
+        choices = []
+        for i in range(len(ids)):
+            out = finals[i]
+            choice = {"index": i, "finish_reason": out.finish_reason,
+                      "logprobs": server.logprobs_of(out.logprobs, chat, n_top) if out.logprobs is not None else None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choices.append(choice)
+        prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(0, len(ids), n))  # each prompt once
+        return {**head, "choices": choices, "usage": usage_of(prompt_tokens, finals.values())}
+
+    async def stream(ids, queue, head, chat, n_top, include_usage, n):
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        done: dict[int, object] = {}
+        seen = [0] * len(ids)  # logprob entries sent per choice
+        try:
+            if chat:
+                for i in range(len(ids)):
+                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+            while len(done) < len(ids):
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    yield sse(APIError(500, f"the engine failed: {type(item).__name__}: {item}",
+                                       kind="internal_server_error").body())
+                    break
+                if not item.delta_text and not item.finished:
+                    continue
+                lp = None
+                if item.logprobs is not None:
+                    # (item.logprobs is the request's own list, which later steps extend: cut at this step)
+                    lp = server.logprobs_of(item.logprobs[seen[i]:len(item.token_ids)], chat, n_top)
+                    seen[i] = len(item.token_ids)
+                choice = {"index": i, "logprobs": lp, "finish_reason": item.finish_reason}
+                if chat:
+                    choice["delta"] = {"content": item.delta_text} if item.delta_text else {}
+                else:
+                    choice["text"] = item.delta_text
+                if item.finished:
+                    done[i] = item
+                yield sse({**head, "choices": [choice]})
+            if include_usage and len(done) == len(ids):
+                prompt = sum(len(done[i].prompt_token_ids) for i in range(0, len(ids), n))
+                yield sse({**head, "choices": [], "usage": usage_of(prompt, done.values())})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): nothing of this request is left running
+            for i, rid_i in enumerate(ids):
+                if i not in done:
+                    server.loop.abort(rid_i)
+
+    return app
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage_of(prompt_tokens: int, finals) -> dict:
+    completion = sum(len(f.token_ids) for f in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def prometheus(server: OpenAIServer) -> str:
+    """The serving metrics in Prometheus' text format (names prefixed zoo_)."""
+    loop = server.loop
+    s = loop.stats()
+    rate = s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
+    gauges = [
+        ("num_requests_running", "requests in the running batch", s["running"]),
+        ("num_requests_waiting", "requests waiting to be admitted", s["waiting"]),
+        ("kv_cache_blocks_used", "KV blocks referenced by requests", s["kv_blocks_used"]),
+        ("kv_cache_blocks_total", "KV blocks in the pool", s["kv_blocks_total"]),
+        ("kv_cache_usage_ratio", "fraction of the KV pool in use", s["kv_blocks_used"] / s["kv_blocks_total"]),
+        ("prefix_cache_hit_rate", "prompt tokens found in the prefix cache / prompt tokens looked up", rate),
+    ]
+    counters = [
+        ("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache", s["prefix_queries"]),
+        ("prefix_cache_hits_total", "prompt tokens found in the prefix cache", s["prefix_hits"]),
+        ("prompt_tokens_total", "prompt tokens of admitted requests", loop.prompt_tokens),
+        ("generation_tokens_total", "tokens generated", loop.generation_tokens),
+        ("num_preemptions_total", "requests preempted (recomputed later)", s["preemptions"]),
+        ("step_errors_total", "engine steps that raised (their requests ended)", loop.step_errors),
+    ]
+    lines = []
+    for name, help_, value in gauges:
+        lines += [f"# HELP zoo_{name} {help_}", f"# TYPE zoo_{name} gauge", f"zoo_{name} {value}"]
+    for name, help_, value in counters:
+        lines += [f"# HELP zoo_{name} {help_}", f"# TYPE zoo_{name} counter", f"zoo_{name} {value}"]
+    lines += ["# HELP zoo_request_finished_total requests finished, by reason",
+              "# TYPE zoo_request_finished_total counter"]
+    lines += [f'zoo_request_finished_total{{finished_reason="{r}"}} {c}' for r, c in sorted(loop.finished.items())]
+    for name, help_, hist in (("time_to_first_token_seconds", "arrival to first token", loop.ttft),
+                              ("inter_token_latency_seconds", "time between a request's tokens", loop.itl)):
+        lines += [f"# HELP zoo_{name} {help_}", f"# TYPE zoo_{name} histogram", *hist.lines(f"zoo_{name}")]
+    return "\n".join(lines) + "\n"
