@@ -282,6 +282,7 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         "max_new_tokens": max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 3),
         "load_report": str(zoo.load_report),
+        "untied": [str(t) for t in getattr(zoo.load_report, "ties", []) if not t.tied],
     }
     return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
                         {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},

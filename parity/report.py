@@ -150,7 +150,9 @@ def format_summary(result: ParityResult) -> str:
 def input_lines(result: ParityResult) -> list[str]:
     """What the harness did to its inputs and which length-dependent features they do not reach."""
     inputs, constants = result.inputs or {}, result.constants or {}
-    return ([f"inputs: {n}" for n in inputs.get("notes", [])] +
+    return ([f"NOTE: {t}: the config ties them, the zoo uses the checkpoint's own weights"
+             for t in (result.meta or {}).get("untied", [])] +
+            [f"inputs: {n}" for n in inputs.get("notes", [])] +
             [f"NOT EXERCISED: {n}" for n in inputs.get("not_exercised", [])] +
             [f"CONSTANT DIFFERS: {m}" for m in constants.get("mismatches", [])] +
             ([f"constants: {len(constants['checked'])} built constants equal the reference's (eps, attention scale, "

@@ -178,3 +178,25 @@ def test_a_wrong_attention_scale_is_not_blamed_on_rotary(llama):
     assert s.localization.hints[0].startswith(f"built with another constant than the reference: {L}.self_attn scale"), \
         s.localization.hints
     assert not any("rotary embedding (rotate-half" in h for h in s.localization.hints[:2]), s.localization.hints
+
+
+# -- 9. a silent untie, said in every summary -----------------------------------------------------------------------
+def test_an_untie_is_said_by_inspect_run_and_parity(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+    from test_cli_run import save_chat_model
+
+    path = save_chat_model(tmp_path / "m", tie_word_embeddings=True, initializer_range=0.2)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])  # a head of its own
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    untie = "lm_head.weight untied from model.embed_tokens.weight (the checkpoint holds its own lm_head.weight)"
+    assert zoo_main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    ok = next(i for i, line in enumerate(lines) if line.startswith("ok: "))  # the summary, after the table
+    assert lines[ok + 1] == f"note: {untie}: the config ties them, the model will use the checkpoint's own weights"
+    assert zoo_main(["run", str(path), "--no-chat", "--prompt", "w1 w2 w3", "--max-tokens", "2"]) == 0
+    assert f"zoo: note: {untie}" in capsys.readouterr().err
+    zoo_main(["parity", str(path), "--scenario", "prefill", "--quiet"])
+    assert f"NOTE: {untie}: the config ties them" in capsys.readouterr().out

@@ -60,6 +60,9 @@ def run(args) -> int:
             print(f"  ... and {len(p.problems) - SHOWN} more problems")
         return 1
     print(f"ok: every checkpoint tensor and every element of every parameter is accounted for")
+    for t in p.ties:
+        if not t.tied:  # the config ties them: say it in the summary, not only in the tie lines
+            print(f"note: {t}: the config ties them, the model will use the checkpoint's own weights")
     if not args.transformers:
         print(f"step: {_step_path(model)}")
     return 0

@@ -197,6 +197,9 @@ def _load(args, **engine):
     kv = llm.engine.kv
     progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s; KV pool holds "
                   f"{kv.pool.num_blocks * kv.block_size} tokens ({llm.engine.kv_bytes_per_token} B/token)")
+    for t in getattr(llm.load_report, "ties", []):
+        if not t.tied:  # the config ties them but the checkpoint holds its own: said, not silent
+            print(f"zoo: note: {t}: the config ties them, the model uses the checkpoint's own weights", file=sys.stderr)
     print(f"zoo: {llm.engine.runner.step_path}", file=sys.stderr)
     return llm
 
