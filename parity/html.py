@@ -28,7 +28,8 @@ def _heat(sd: dict) -> dict:
         names.append(short(tap["name"]))
     kl = [v for r in sd.get("logits", {}).get("logits", {}).get("kl", []) for v in r
           if isinstance(v, (int, float)) and math.isfinite(v)]
-    return {"taps": names, "rows": rows, "width": width, "kl": kl, "tol": sd["tolerances"].get("rel_l2", 1e-4)}
+    return {"taps": names, "rows": rows, "width": width, "kl": kl, "tol": sd["tolerances"].get("rel_l2", 1e-4),
+            "kl_tol": sd["tolerances"].get("kl_max", 1e-6)}
 
 
 PAGE = """<!doctype html>
@@ -40,6 +41,8 @@ h1 {{ font-size: 20px; }} h2 {{ font-size: 17px; margin-top: 32px; }}
 table {{ border-collapse: collapse; margin: 8px 0; }} td, th {{ border: 1px solid #ddd; padding: 2px 8px; text-align: left; }}
 code {{ background: #f3f3f3; padding: 0 3px; }} .hint {{ color: #7d4e00; }}
 svg text {{ font: 10px monospace; fill: #333; }}
+.legend span {{ display: inline-block; margin-right: 14px; }} .legend i {{ display: inline-block; width: 11px;
+  height: 11px; margin-right: 4px; vertical-align: -1px; border: 1px solid #ccc; }}
 </style></head>
 <body data-rendered="false">
 <h1>zoo parity: {title} <span class="{cls}">{verdict}</span></h1>
@@ -68,13 +71,21 @@ svg text {{ font: 10px monospace; fill: #333; }}
   for (const [name, s] of Object.entries(data)) {{
     const box = document.getElementById("heat-" + name);
     if (!box) continue;
-    const cw = 12, ch = 12, left = 170, top = 20;
-    const svg = el("svg", {{width: left + s.width * cw + 10, height: top + s.taps.length * ch + 10,
-                           class: "heatmap", "data-scenario": name}}, box);
+    const cw = 12, ch = 12, top = 20;
+    const svg = el("svg", {{width: 10, height: top + s.taps.length * ch + 10, class: "heatmap", "data-scenario": name}}, box);
+    // the grid starts right of the longest tap name, measured as drawn
+    const labels = s.taps.map((t, i) => {{
+      const e = el("text", {{x: 0, y: top + i * ch + 10, class: "tap-label"}}, svg);
+      e.textContent = t;
+      return e;
+    }});
+    const left = Math.ceil(Math.max(60, ...labels.map(e => e.getComputedTextLength()))) + 8;
+    svg.setAttribute("width", left + s.width * cw + 10);
+    svg.setAttribute("data-left", left);
+    svg.setAttribute("data-label-width", Math.ceil(Math.max(0, ...labels.map(e => e.getComputedTextLength()))));
     for (let p = 0; p < s.width; p += 5) el("text", {{x: left + p * cw, y: 12}}, svg).textContent = p;
     let cells = 0;
     s.rows.forEach((row, i) => {{
-      el("text", {{x: 0, y: top + i * ch + 10}}, svg).textContent = s.taps[i];
       row.forEach((v, p) => {{
         const r = el("rect", {{x: left + p * cw, y: top + i * ch, width: cw - 1, height: ch - 1,
                              fill: color(v, s.tol), class: "cell", "data-tap": s.taps[i], "data-pos": p}}, svg);
@@ -97,6 +108,10 @@ svg text {{ font: 10px monospace; fill: #333; }}
         el("title", {{}}, r).textContent = "1e" + (i - 20) + " .. 1e" + (i - 19) + ": " + n + " positions";
       }});
       [-20, -15, -10, -5, 0].forEach(e => {{ el("text", {{x: 30 + (e + 20) * bw - 6, y: h + 20}}, ks).textContent = "1e" + e; }});
+      const tx = 30 + (Math.log10(s.kl_tol) + 20) * bw;  // the kl_max tolerance on the same log axis
+      el("line", {{x1: tx, x2: tx, y1: 0, y2: h + 5, stroke: "#cf222e", "stroke-width": 2, "stroke-dasharray": "4 2",
+                  class: "kl-tol", "data-tol": s.kl_tol}}, ks);
+      el("text", {{x: tx + 3, y: 10, fill: "#cf222e"}}, ks).textContent = "kl_max tol " + s.kl_tol.toExponential(0);
     }}
   }}
   document.body.setAttribute("data-cells", total);
@@ -105,6 +120,16 @@ svg text {{ font: 10px monospace; fill: #333; }}
 </script>
 </body></html>
 """
+
+
+LEGEND = ('<p class="legend">'
+          '<span><i style="background:hsl(120,70%,75%)"></i><i style="background:hsl(72,70%,57%)"></i>'
+          'within tolerance (light: 1e-10, darker: nearer the tolerance)</span>'
+          '<span><i style="background:hsl(0,70%,45%)"></i>above tolerance</span>'
+          '<span><i style="background:#000"></i>non-finite (NaN/Inf at a compared position)</span>'
+          '<span><i style="background:#eee"></i>not compared: outside the scenario (a prompt position of the prefix '
+          'scenario, the prompt in decode), past a shorter request, or a row the runtime did not produce (sampled '
+          'logits)</span></p>')
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -151,7 +176,8 @@ def render(result: ParityResult) -> str:
         if logit_rows:
             part.append(_table(["logits of"] + list(next(iter(sd["logits"].values()))["summary"]), logit_rows))
         part.append(f"<h3>relative L2 error, tap x position (max over requests; red: above {_e(data[name]['tol'])})</h3>"
-                    f'<div id="heat-{name}"></div><h3>KL(ref || zoo) over positions (log10 bins)</h3>'
+                    f'{LEGEND}<div id="heat-{name}"></div><h3>KL(ref || zoo) over positions (log10 bins; dashed: '
+                    f'the kl_max tolerance, {_e(s.tol.get("kl_max"))})</h3>'
                     f'<div id="kl-{name}"></div>')
         sections.append("\n".join(part))
     meta = result.meta

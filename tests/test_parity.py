@@ -289,6 +289,27 @@ def test_html_report_renders_in_headless_chromium(llama, tmp_path):
     assert cells > 0 and f'<body data-rendered="true" data-cells="{cells}"' in dom
     assert dom.count('class="cell"') == cells and 'class="kl-hist"' in dom
     assert 'data-tap="L1.self_attn"' in dom
+    # the grid starts right of the longest tap name as the browser measured it; a legend for every colour, the
+    # not-compared grey included; the kl_max tolerance drawn on the KL distribution
+    import re
+
+    grids = re.findall(r'data-left="(\d+)" data-label-width="(\d+)"', dom)
+    assert len(grids) == 2, grids
+    for left, width in grids:
+        assert int(left) >= int(width) + 4 > 4, (left, width)
+    assert dom.count('class="legend"') == 2 and "not compared: outside the scenario" in dom
+    assert dom.count('class="kl-tol"') == 2 and 'data-tol="0.000001"' in dom.replace("1e-6", "0.000001")
+    shot = tmp_path / "report.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120)
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1200, 1600)
+    colours = {c for _, c in image.getcolors(1 << 20)}
+    assert (0xcf, 0x22, 0x2e) in colours and (0xee, 0xee, 0xee) in colours  # the tolerance line, grey cells
+    assert len(colours) > 20  # drawn, not a blank page
 
 
 # -- the real model -----------------------------------------------------------------------------------------------
