@@ -155,3 +155,21 @@ def test_zoo_run_with_an_image(tiny, tmp_path, capsys):
     assert main(["run", str(path), "--image", str(tmp_path / "bad.png"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "image 0" in err and "cannot be decoded" in err and "Traceback" not in err
+
+
+def test_chat_with_image_parts(tiny, tmp_path):
+    import base64
+
+    path, _ = tiny
+    engine = llm(path)
+    (want,) = engine.generate({"prompt": "user : <image> Describe the image.  assistant : ",
+                               "multi_modal_data": {"image": [IMAGES[0]]}}, GREEDY)
+    IMAGES[0].save(tmp_path / "img.png")
+    data = "data:image/png;base64," + base64.b64encode((tmp_path / "img.png").read_bytes()).decode()
+    for part in ({"type": "image", "image": IMAGES[0]}, {"type": "image", "path": str(tmp_path / "img.png")},
+                 {"type": "image_url", "image_url": {"url": data}}):
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "Describe the image."}]}]
+        (got,) = engine.chat(messages, GREEDY)
+        assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids, part["type"]
+    with pytest.raises(ValueError, match="URLs are not fetched"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])

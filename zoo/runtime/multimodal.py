@@ -64,6 +64,43 @@ def load_image(image, request_id: str, index: int):
     raise ValueError(f"{where}: {type(image).__name__} is not an image (a PIL image, a path, bytes or an array)")
 
 
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Chat messages with image parts (vLLM's and transformers' spellings: {"type": "image", "image" | "path" |
+    "url": ...}, {"type": "image_url", "image_url": {"url": ...}}, {"type": "image_pil", "image_pil": ...})
+    -> the messages with each image part as {"type": "image"} (what chat templates render as the image token)
+    and the images in order (a data: URL decoded to bytes; other URLs are refused: nothing is downloaded)."""
+    import base64
+
+    out, images = [], []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image", "image_url", "image_pil"):
+                parts.append(part)
+                continue
+            value = part.get("image_url") if kind == "image_url" else part.get(kind if kind == "image_pil" else "image")
+            if kind == "image_url" and isinstance(value, dict):
+                value = value.get("url")
+            if kind == "image" and value is None:
+                value = part.get("path", part.get("url"))
+            if isinstance(value, str) and value.startswith("data:"):
+                value = base64.b64decode(value.partition(",")[2])
+            elif isinstance(value, str) and value.startswith(("http://", "https://")):
+                raise ValueError(f"chat image {len(images)}: {value[:60]}: URLs are not fetched; give a path or "
+                                 f"a data: URL")
+            if value is None:
+                raise ValueError(f"chat image {len(images)}: a {kind!r} part without an image")
+            images.append(value)
+            parts.append({"type": "image"})
+        out.append({**m, "content": parts})
+    return out, images
+
+
 def content_hash(data: dict[str, torch.Tensor], settings: str) -> str:
     """blake2b over the processed tensors (name, dtype, shape, bytes) and the processor's settings."""
     h = hashlib.blake2b(digest_size=16)
