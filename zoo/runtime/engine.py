@@ -30,7 +30,24 @@ NON_FINITE = "the model's logits are NaN or infinite (non-finite weights, or a c
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's CompletionOutput (logprobs: token id -> raw logprob per token)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
+
+
+@dataclass
 class RequestOutput:
+    """A request's state after a step. vLLM's shape (`outputs[i].text`) and, for its first sample, the same
+    fields on the output itself (`out.text`, `out.token_ids`)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -43,10 +60,17 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
     num_preemptions: int = 0
+    samples: list[CompletionOutput] | None = None  # SamplingParams.n > 1: every sample (LLM.generate fills it)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.samples is not None:
+            return self.samples
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
 
 
 def eos_token_ids(config, tokenizer=None, generation_config=None) -> set[int]:

@@ -3,12 +3,15 @@
     from zoo import LLM, SamplingParams
     llm = LLM()                                   # the embedded default model (SmolLM2-135M-Instruct)
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)               # vLLM's shape; outs[0].text is the same (the first sample)
+    outs = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(n=2, temperature=0.8, seed=1))
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=32)):
         print(delta.delta_text, end="", flush=True)
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import threading
 import time
@@ -75,8 +78,12 @@ class LLM:
         return chat_template.apply_chat_template(self.tokenizer, messages, seconds=seconds,
                                                  name=files.name if files is not None else "the model")
 
-    def _add(self, prompts, params) -> list[str]:
-        """Add every prompt, or none: a prompt refused (too long, a bad token id) aborts those added before it."""
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _add(self, prompts, params) -> list[list[str]]:
+        """Add every prompt, or none: a prompt refused (too long, a bad token id) aborts those added before it.
+        Per prompt, the ids of its SamplingParams.n requests (sample i with seed + i when seeded)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], numbers.Number)):
             prompts = [prompts]
@@ -85,14 +92,20 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         added: list[str] = []
+        groups: list[list[str]] = []
         try:
             for p, sp in zip(prompts, params):
-                added.append(self._add_one(p, sp))
+                samples = [sp] if sp is None or sp.n == 1 else [
+                    dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
+                groups.append([])
+                for one in samples:
+                    added.append(self._add_one(p, one))
+                    groups[-1].append(added[-1])
         except BaseException:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return added
+        return groups
 
     def _add_one(self, prompt: Prompt, params: SamplingParams) -> str:
         if not isinstance(prompt, dict):
@@ -139,13 +152,15 @@ class LLM:
         return self.generate(prompts, params)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion (continuously batched); outputs in the order of the prompts.
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion (continuously batched); outputs in the order of the prompts, each
+        with `outputs` (SamplingParams.n CompletionOutputs; the first one's fields also on the output itself).
 
         Thread-safe: calls from several threads run one after another. On an error (a refused prompt, an
         exception in a step, KeyboardInterrupt) every request of this call is aborted, its KV blocks freed."""
         with self._exclusive():
-            ids = self._add(prompts, params)
+            groups = self._add(prompts, sampling_params)
+            ids = [rid for group in groups for rid in group]
             mine, final = set(ids), {}
             try:
                 while len(final) < len(ids):
@@ -157,16 +172,23 @@ class LLM:
                     if rid not in final:
                         self.engine.abort_request(rid)
                 raise
-            return [final[i] for i in ids]
+            return [_merged([final[rid] for rid in group]) for group in groups]
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"}) or to each of a
+        list of them, through the model's chat template."""
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        chats = [messages] if one else list(messages)
+        return self.generate([self.apply_chat_template(list(m)) for m in chats], sampling_params)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Yield each step's RequestOutput (delta_text / delta_token_ids, and the totals so far) of these prompts.
 
         Holds the LLM until the stream is exhausted or closed: other threads' calls wait."""
         with self._exclusive():
-            ids = self._add(prompts, params)
-            left = set(ids)
+            left = {rid for group in self._add(prompts, sampling_params) for rid in group}
             try:
                 while left:
                     for out in self.engine.step():
@@ -178,3 +200,11 @@ class LLM:
             finally:
                 for rid in left:
                     self.engine.abort_request(rid)
+
+
+def _merged(samples: list[RequestOutput]) -> RequestOutput:
+    """The n samples of one prompt as one RequestOutput (the first sample's, with every sample in `outputs`)."""
+    if len(samples) == 1:
+        return samples[0]
+    return dataclasses.replace(samples[0], samples=[dataclasses.replace(s.outputs[0], index=i)
+                                                    for i, s in enumerate(samples)])

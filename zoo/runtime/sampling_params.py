@@ -31,6 +31,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logprobs: int | None = None  # top-n logprobs per sampled token (0 = only the sampled token's)
     skip_special_tokens: bool = True
+    n: int = 1  # samples per prompt (LLM.generate: n requests sharing the prompt's blocks; a seed: seed + i each)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +40,7 @@ class SamplingParams:
         self.stop_token_ids = [_integer("stop_token_ids", t, low=0) for t in _as_list("stop_token_ids",
                                                                                        self.stop_token_ids)]
         self.max_tokens = _integer("max_tokens", self.max_tokens, low=1)
+        self.n = _integer("n", self.n, low=1)
         self.min_tokens = _integer("min_tokens", self.min_tokens, low=0)
         self.top_k = 0 if self.top_k is None else _integer("top_k", self.top_k, low=-1, why="(0 or -1 = off)")
         if self.top_k < 0:

@@ -1,0 +1,81 @@
+"""The Python API in vLLM's shape: its quick-start snippet runs with only the import (and the model) changed;
+RequestOutput.outputs[i] (CompletionOutput), SamplingParams.n, LLM.chat, LLM.get_tokenizer, every prompt form."""
+import pytest
+
+from test_cli_run import save_chat_model, words
+from zoo import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("vllm_api"), max_position_embeddings=64, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir))
+
+
+def test_vllm_quick_start_runs_unchanged(model_dir, capsys):
+    quick_start = '''
+from vllm import LLM, SamplingParams
+prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is",
+           "The future of AI is"]
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+llm = LLM(model="facebook/opt-125m")
+outputs = llm.generate(prompts, sampling_params)
+for output in outputs:
+    prompt = output.prompt
+    generated_text = output.outputs[0].text
+    print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+'''
+    code = quick_start.replace("from vllm import", "from zoo import").replace("facebook/opt-125m", str(model_dir))
+    exec(compile(code, "quick_start", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "Prompt: 'Hello", "Prompt: 'The president of the United States is'", "Prompt: 'The capital of France is'",
+        "Prompt: 'The future of AI is'"]
+    assert all("Generated text: '" in line for line in lines)
+
+
+def test_outputs_are_completion_outputs_and_keep_the_old_fields(llm):
+    out = llm.generate(words(4), sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                                logprobs=1))[0]
+    (c,) = out.outputs
+    assert (c.index, c.text, c.token_ids, c.finish_reason) == (0, out.text, out.token_ids, "length")
+    assert len(c.token_ids) == 5 and len(c.logprobs) == 5
+    assert c.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(c.logprobs, c.token_ids)))
+    assert c.cumulative_logprob < 0
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_every_prompt_form_gives_the_same_greedy_tokens(llm):
+    text = words(5, 3)
+    ids = llm.get_tokenizer().encode(text)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], greedy)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+
+
+def test_n_samples_per_prompt(llm):
+    outs = llm.generate([words(3), words(3, 50)], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                                 ignore_eos=True))
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    samples = [tuple(c.token_ids) for c in outs[0].outputs]
+    assert len(set(samples)) == 3  # seed, seed + 1, seed + 2: different samples
+    # sample i is the request a seed of seed + i gives alone
+    alone = llm.generate(words(3), SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True))[0]
+    assert tuple(alone.token_ids) == samples[1]
+    with pytest.raises(ValueError, match="SamplingParams.n=0"):
+        SamplingParams(n=0)
+
+
+def test_chat_takes_one_conversation_or_several(llm):
+    conv = [{"role": "user", "content": words(3)}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (one,) = llm.chat(conv, greedy)
+    assert one.prompt_token_ids == llm.apply_chat_template(conv)
+    two = llm.chat([conv, [{"role": "user", "content": words(2)}]], greedy)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
