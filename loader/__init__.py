@@ -8,11 +8,12 @@ accounted for, and all problems are reported together. Imports nothing else of t
 """
 from loader.load import LoadReport, load
 from loader.mapping import Region
-from loader.plan import Entry, Plan, TieDecision, lossy, plan
+from loader.plan import Entry, Plan, RankPlans, TieDecision, lossy, plan, plan_ranks
 from loader.problems import LoadError, Problem, SourceError
-from loader.rules import Fuse, Ignore, Rename, Rules, Stack, Tie, Transform
+from loader.rules import Fuse, Ignore, Rename, Rules, Shard, Stack, Tie, Transform
+from loader.shard import Parallel
 from loader.sources import Source, TensorInfo, open_source
 
-__all__ = ["Entry", "Fuse", "Ignore", "LoadError", "LoadReport", "Plan", "Problem", "Region", "Rename",
-           "Rules", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "Transform", "load", "lossy",
-           "open_source", "plan"]
+__all__ = ["Entry", "Fuse", "Ignore", "LoadError", "LoadReport", "Parallel", "Plan", "Problem", "RankPlans", "Region",
+           "Rename", "Rules", "Shard", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "Transform",
+           "load", "lossy", "open_source", "plan", "plan_ranks"]

@@ -18,6 +18,7 @@ from loader.mapping import Region
 from loader.plan import TieDecision, plan
 from loader.problems import LoadError, Problem, SourceError
 from loader.rules import Rules
+from loader.shard import Parallel
 from loader.sources import Source, open_source
 
 
@@ -27,16 +28,18 @@ WORKERS = min(4, os.cpu_count() or 1)  # reader threads
 @dataclass
 class LoadReport:
     source: str
+    tp: Parallel | None = None  # the rank this load filled, under tensor parallelism
     tensors: int = 0
     parameters: int = 0  # distinct tensors allocated (tied parameters count once)
-    bytes: int = 0  # bytes read from the checkpoint
+    bytes: int = 0  # bytes read from the checkpoint (under tensor parallelism: this rank's slices)
     seconds: float = 0.0
     provenance: dict[str, list[tuple[str, str, Region]]] = field(default_factory=dict)  # param -> (key, file, region)
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (key, file, reason)
     ties: list[TieDecision] = field(default_factory=list)
 
     def __str__(self) -> str:
-        s = (f"loaded {self.tensors} tensors ({self.bytes / 1e6:.1f} MB) into {self.parameters} parameters "
+        s = "" if self.tp is None or self.tp.size == 1 else f"rank {self.tp.rank} of {self.tp.size}: "
+        s += (f"loaded {self.tensors} tensors ({self.bytes / 1e6:.1f} MB) into {self.parameters} parameters "
              f"in {self.seconds:.2f} s from {self.source}")
         if self.ignored:
             s += f"; {len(self.ignored)} ignored"
@@ -44,13 +47,14 @@ class LoadReport:
 
 
 def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
-         device="cpu", check_finite: bool = False,
+         device="cpu", check_finite: bool = False, tp: Parallel | None = None,
          progress: Callable[[int, int], None] | None = None) -> LoadReport:
     """Load `source` (a Source, a directory, a file or a hub id) into `module`; raise LoadError listing
-    every problem. progress(bytes_done, bytes_total) is called after each tensor."""
+    every problem. progress(bytes_done, bytes_total) is called after each tensor. tp=Parallel(rank, size):
+    `module` has rank-local shapes and only this rank's slices (the rules' Shard specs) are read."""
     t0 = time.perf_counter()
     source = open_source(source, strict=False)
-    p = plan(module, source, rules, dtype=dtype)
+    p = plan(module, source, rules, dtype=dtype, tp=tp)
     if p.problems:
         raise LoadError(p.problems, f"{_count(p.problems)}: {source.directory} does not fit "
                                     f"{type(module).__name__} (nothing was loaded)")
@@ -58,14 +62,19 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     written = {e.param for e in p.entries}  # (a persistent buffer the checkpoint lacks keeps its value)
     storage = {n: torch.empty(p.params[n].shape, dtype=p.dtypes[n], device=device)
                for n, o in p.owner.items() if n == o and (n in written or not p.params[n].buffer)}
-    report = LoadReport(str(source.directory), ignored=p.ignored, ties=p.ties, parameters=len(storage))
-    total = sum(source.info(e.key).nbytes for e in p.entries)
+    for name, pads in p.pads.items():  # vocab rows past the real vocabulary: no checkpoint's, zero
+        for pad in pads:
+            pad.view(storage[name]).zero_()
+    report = LoadReport(str(source.directory), tp=tp, ignored=p.ignored, ties=p.ties, parameters=len(storage))
+    total = sum(e.nbytes() for e in p.entries)
     problems: list[Problem] = []
 
     def read(e) -> tuple[int, int]:  # (bytes read, non-finite values); runs in a worker thread
         dest = e.region.view(storage[e.param])
         try:
-            if e.transform is None:
+            if e.slice is not None:  # this rank's rows (cols) only, narrowed before anything is read
+                n = source.read_slice_into(e.key, dest, e.slice.dim, e.slice.start, e.slice.stop)
+            elif e.transform is None:
                 n = source.read_into(e.key, dest)
             else:  # read in the checkpoint's layout, rearranged into the parameter's
                 held = torch.empty(e.shape, dtype=dest.dtype, device=dest.device)

@@ -1,17 +1,27 @@
 """plan(): the mapping of every checkpoint tensor onto the module, and every problem, from headers alone.
 
 load() computes the same plan first and streams only when it is clean.
+
+Under tensor parallelism (tp=Parallel(rank, size), the module built with rank-local shapes) the rules' Shard
+specs say which slice of each checkpoint tensor the rank reads: the full tensor's shape is checked first, the
+entry carries the slice, and coverage is of the rank-local parameters. plan_ranks() computes every rank's plan
+in one process and proves that their slices together cover every element of every tensor exactly once (a
+replicated slice by exactly the ranks meant to share it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import dataclasses
+import re
 
 import torch
 
 from loader.coverage import overlapping_pairs, unwritten, volume
 from loader.mapping import Mapper, ParamInfo, Region
 from loader.problems import Problem
-from loader.rules import Rules, Transform
+from loader.rules import Rules, Shard, Transform
+from loader.shard import Parallel, Slice, full_size, local_size, shard_dim, slice_of, split_problem
 from loader.sources import Source, open_source
 
 
@@ -24,6 +34,16 @@ class Entry:
     param: str
     region: Region
     transform: Transform | None = None  # the key holds the parameter in this layout
+    slice: Slice | None = None  # tensor parallel: the part of the key's tensor this rank reads (None: all)
+
+    def nbytes(self, itemsize: int | None = None) -> int:
+        """Bytes of the part this entry reads."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        if self.slice is not None and self.shape:
+            n = n // self.shape[self.slice.dim] * (self.slice.stop - self.slice.start)
+        return n * (itemsize or self.dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,8 @@ class Plan:
     params: dict[str, ParamInfo] = field(default_factory=dict)  # every destination of the module
     owner: dict[str, str] = field(default_factory=dict)  # param -> the param whose storage it uses
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # param -> dtype it is allocated with
+    tp: Parallel | None = None
+    pads: dict[str, list[Region]] = field(default_factory=dict)  # param -> vocab padding rows (zeroed)
 
     @property
     def ok(self) -> bool:
@@ -62,12 +84,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None) -> Plan:
+def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
+         tp: Parallel | None = None) -> Plan:
     source = open_source(source, strict=False)
     rules = rules + source.rules
     params, groups = module_params(module)
     mapper = Mapper(rules, params)
-    out = Plan(source, problems=list(source.problems), params=params)
+    out = Plan(source, problems=list(source.problems), params=params, tp=tp)
+    shards = [(re.compile(s.pattern), s) for s in rules.shards] if tp is not None else []
     writes: dict[str, list[tuple[tuple, str, str, Region]]] = {}
     for key in source.keys():
         info = source.info(key)
@@ -91,9 +115,22 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         expected = m.region.shape(p.shape)
         if m.transform is not None:
             expected, where = m.transform.source_shape(expected), f"{where} ({m.transform.kind}d)"
+        region, piece = m.region, None
+        shard = next((s for pattern, s in shards if pattern.search(key)), None)
+        if shard is not None and shard.kind != "replicated":
+            got = _sharded(key, info, m, p.shape, expected, shard, tp)
+            if isinstance(got, Problem):
+                out.problems.append(got)
+                continue
+            expected, piece, region, pad = got
+            if pad is not None:
+                out.pads.setdefault(m.name, []).append(pad)
+                writes.setdefault(m.name, []).append((pad.box(p.shape), "(vocab padding)", "", pad))
+            if piece.stop == piece.start:  # a rank whose vocab part is all padding reads nothing of it
+                continue
         if tuple(info.shape) != expected:
-            out.problems.append(Problem("shape", key, info.file, where,
-                f"{key} in {info.file} has shape {list(info.shape)} but {where} expects {list(expected)}"))
+            out.problems.append(Problem("shape", key, info.file, where, f"{key} in {info.file} has shape "
+                f"{list(info.shape)} but {where} expects {list(expected)}" + _missing_part(info.shape, piece, tp)))
         dst = dest_dtype(p, dtype)
         on_purpose = dtype is not None and info.dtype.is_floating_point and dst.is_floating_point
         if not on_purpose and lossy(info.dtype, dst):  # dtype= casts floats to floats, nothing else
@@ -101,8 +138,8 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                 f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
                 + ("(dtype= casts floating-point to floating-point only)" if dtype is not None
                    else "(pass dtype= to load() to cast on purpose)")))
-        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, m.region, m.transform))
-        writes.setdefault(m.name, []).append((m.region.box(p.shape), key, info.file, m.region))
+        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece))
+        writes.setdefault(m.name, []).append((region.box(p.shape), key, info.file, region))
 
     out.owner = {name: name for name in params}
     for name, src, tied in _ties(groups, rules, params, writes):
@@ -119,7 +156,120 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         out.dtypes[name] = dest_dtype(p, dtype)
         if out.owner[name] == name:
             out.problems += _coverage(name, p, writes.get(name, []), mapper)
+    if tp is not None and tp.size > 1:
+        out.problems = [dataclasses.replace(q, detail=f"rank {tp.rank} of {tp.size}: {q.detail}") for q in out.problems]
     return out
+
+
+def _sharded(key: str, info, m, shape: tuple[int, ...], expected: tuple[int, ...], shard: Shard, tp: Parallel):
+    """(full shape expected of the checkpoint tensor, this rank's Slice of it, the region it fills, the padding
+    region or None), or the Problem that stops it."""
+    d = shard_dim(shard)
+    where = f"{m.name}{m.region}"
+
+    def problem(why: str) -> Problem:
+        return Problem("shape", key, info.file, where, f"{key} in {info.file} -> {where}: {why}")
+
+    if m.transform is not None:
+        return problem(f"a {m.transform.kind} Transform cannot be {shard.kind}-parallel")
+    if d >= len(expected):
+        return problem(f"a {shard.kind}-parallel shard splits dim {d}, but the parameter part has shape {list(expected)}")
+    if why := split_problem(shard, tp.size):
+        return problem(why)
+    local = expected[d]
+    full = full_size(shard, local, tp.size)
+    try:
+        ok = local_size(shard, full, tp.size) == local
+    except ValueError:
+        ok = False
+    if not ok:
+        return problem(f"its rank-local extent {local} on dim {d} is not what a {shard.kind}-parallel split of "
+                       f"{full} over {tp.size} ranks gives (was the module built for tensor parallel size {tp.size}?)")
+    piece = slice_of(shard, full, tp)
+    full_shape = expected[:d] + (full,) + expected[d + 1:]
+    region, pad, n = m.region, None, piece.stop - piece.start
+    if n < local:  # the vocab's padding rows on this rank
+        if m.region.dim is not None:
+            return problem("a vocab-parallel parameter cannot also be a fused shard")
+        region = dataclasses.replace(m.region, dim=d, start=0, stop=n)
+        pad = dataclasses.replace(m.region, dim=d, start=n, stop=local)
+    return full_shape, piece, region, pad
+
+
+def _missing_part(shape: tuple[int, ...], piece: Slice | None, tp: Parallel | None) -> str:
+    """', so rank r's rows a:b are not in the checkpoint' when its slice lies past the tensor's end."""
+    if piece is None or tp is None:
+        return ""
+    text = f" (rank {tp.rank} reads {piece} of the full tensor)"
+    if len(shape) > piece.dim and piece.stop > shape[piece.dim]:
+        text = f": rank {tp.rank}'s slice, {piece}, is not in the checkpoint"
+    return text
+
+
+@dataclass
+class RankPlans:
+    """Every rank's plan, and the proof that their slices cover each checkpoint tensor exactly once."""
+
+    plans: list[Plan]
+    problems: list[Problem] = field(default_factory=list)  # every rank's, then the union's
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def bytes(self, rank: int) -> int:
+        """Bytes rank `rank` reads (its slices, at the checkpoint's dtypes)."""
+        return sum(e.nbytes() for e in self.plans[rank].entries)
+
+    def __str__(self) -> str:
+        lines = [f"tensor parallel size {len(self.plans)}: {len(self.problems)} problems"]
+        lines += [f"  rank {r}: {len(p.entries)} tensors, {self.bytes(r) / 1e6:.2f} MB read"
+                  for r, p in enumerate(self.plans)]
+        return "\n".join(lines)
+
+
+def plan_ranks(module: torch.nn.Module, source, rules: Rules = Rules(), size: int = 1, *,
+               dtype: torch.dtype | None = None) -> RankPlans:
+    """plan() for every rank of a tensor-parallel group of `size`, in this process (no rank is spawned), and
+    the proof that the union of their slices covers every element of every checkpoint tensor exactly once:
+    a column/row/vocab slice by one rank, a KV-replicated one by exactly size/heads ranks, a replicated
+    tensor by every rank."""
+    source = open_source(source, strict=False)
+    plans = [plan(module, source, rules, dtype=dtype, tp=Parallel(r, size)) for r in range(size)]
+    out = RankPlans(plans, [q for p in plans for q in p.problems])
+    if out.problems:  # a rank that does not plan cleanly has no union to prove
+        return out
+    reads: dict[str, dict[tuple, list[int]]] = {}  # key -> box of the full tensor -> the ranks reading it
+    copies: dict[tuple[str, tuple], int] = {}
+    for r, p in enumerate(plans):
+        for e in p.entries:
+            box = tuple((0, s) for s in e.shape)
+            if e.slice is not None:
+                box = box[:e.slice.dim] + ((e.slice.start, e.slice.stop),) + box[e.slice.dim + 1:]
+            reads.setdefault(e.key, {}).setdefault(box, []).append(r)
+            copies[e.key, box] = e.slice.copies if e.slice is not None else size
+    for key in source.keys():
+        if any(key == k for k, _, _ in plans[0].ignored):
+            continue
+        info = source.info(key)
+        boxes = reads.get(key, {})
+        full = tuple((0, s) for s in info.shape)
+        for box, ranks in boxes.items():
+            if len(ranks) != copies[key, box]:
+                out.problems.append(Problem("duplicate", key, info.file, None,
+                    f"{key} in {info.file}: {_box(box)} is read by ranks {ranks}, expected {copies[key, box]} of them"))
+        listed = list(boxes)
+        for i, j in overlapping_pairs(listed):
+            out.problems.append(Problem("duplicate", key, info.file, None, f"{key} in {info.file}: {_box(listed[i])} "
+                f"(ranks {boxes[listed[i]]}) overlaps {_box(listed[j])} (ranks {boxes[listed[j]]})"))
+        if gap := unwritten(full, listed):
+            out.problems.append(Problem("missing", key, info.file, None,
+                f"{key} in {info.file}: {gap} of {volume(full)} elements are read by no rank of {size}"))
+    return out
+
+
+def _box(box: tuple) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
 def module_params(module: torch.nn.Module) -> tuple[dict[str, ParamInfo], list[list[str]]]:

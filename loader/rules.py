@@ -11,6 +11,9 @@ A checkpoint key goes through the rules in this order:
     Transform -> a key that holds its whole parameter in another layout (transposed, heads interleaved) is
                shape-checked in that layout and rearranged as it is written; coverage is the parameter's
 
+    Shard -> tensor parallelism: which slice of a key's full tensor one rank holds (column, row, vocab, kv,
+               replicated); a key no Shard matches is replicated. See loader/shard.py for the arithmetic.
+
 The sizes of a fused parameter's shards come from `Fuse.sizes`, else from the destination parameter's
 `shard_sizes` attribute (set by the layer that fuses), else an equal split.
 """
@@ -119,6 +122,37 @@ class Transform:
         view.copy_(src.view(heads, self.parts, self.head_dim, *rest))
 
 
+SHARD_KINDS = ("column", "row", "vocab", "kv", "replicated")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Under tensor parallelism, checkpoint keys matching the regex `pattern` are split across ranks by `kind`:
+
+        "column"      dim 0 in equal parts, rank r holds part r (q_proj, gate_proj/up_proj and their biases)
+        "row"         dim 1 in equal parts (o_proj, down_proj weights; their bias is replicated, added once)
+        "vocab"       dim 0 of a `size`-row embedding / head, padded to a multiple of 64 (x size of the group),
+                      rank r holds rows r*V'/N..(r+1)*V'/N of the padded V'; rows past `size` are zero padding
+        "kv"          dim 0 holds `heads` heads (k_proj, v_proj, per-head k weights): split by heads when
+                      heads >= N, else each rank holds one head, head r // (N / heads) (KV replication)
+        "replicated"  every rank holds the whole tensor (the default for a key no Shard matches)
+    The first matching Shard applies. The parameter a key fills has the rank-local shape.
+    """
+
+    pattern: str
+    kind: str
+    heads: int = 0  # for "kv": the number of heads the full tensor holds
+    size: int = 0  # for "vocab": the real vocabulary size (rows of the full tensor)
+
+    def __post_init__(self):
+        if self.kind not in SHARD_KINDS:
+            raise ValueError(f"Shard kind {self.kind!r}: expected one of {', '.join(SHARD_KINDS)}")
+        if self.kind == "kv" and self.heads <= 0:
+            raise ValueError(f"Shard {self.pattern!r}: a 'kv' shard needs heads > 0")
+        if self.kind == "vocab" and self.size <= 0:
+            raise ValueError(f"Shard {self.pattern!r}: a 'vocab' shard needs size > 0")
+
+
 @dataclass(frozen=True)
 class Rules:
     """All rules of one architecture. The empty Rules() is the identity mapping."""
@@ -129,6 +163,7 @@ class Rules:
     ignores: tuple[Ignore, ...] = ()
     ties: tuple[Tie, ...] = ()
     transforms: tuple[Transform, ...] = ()
+    shards: tuple[Shard, ...] = ()
 
     def __add__(self, other: "Rules") -> "Rules":
         return Rules(
@@ -138,4 +173,5 @@ class Rules:
             self.ignores + other.ignores,
             self.ties + other.ties,
             self.transforms + other.transforms,
+            self.shards + other.shards,
         )

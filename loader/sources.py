@@ -94,6 +94,11 @@ class Source:
         out.copy_(self.get(key))
         return self.info(key).nbytes
 
+    def read_slice_into(self, key: str, out: torch.Tensor, dim: int, start: int, stop: int) -> int:
+        """Copy `key`.narrow(dim, start, stop - start) into `out`; returns the bytes of the slice."""
+        out.copy_(self.get(key).narrow(dim, start, stop - start))
+        return _slice_bytes(self.info(key), dim, start, stop)
+
     def order(self, key: str) -> tuple:
         """A sort key that makes a stream read each file front to back."""
         return (self.info(key).file, 0)
@@ -170,6 +175,22 @@ class SafetensorsSource(Source):
                 (out[r: r + n] if info.shape else out).copy_(part)
         return end - begin
 
+    def read_slice_into(self, key: str, out: torch.Tensor, dim: int, start: int, stop: int) -> int:
+        """Tensor parallelism: only the slice is copied, through safetensors' get_slice (a strided view over the
+        mapped file). A dim-0 slice reads its own rows; a dim-1 slice still pages in the whole tensor."""
+        from safetensors import safe_open
+
+        path, _, _ = self._where[key]
+        info = self.info(key)
+        index = tuple(slice(None) for _ in range(dim)) + (slice(start, stop),)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                out.copy_(f.get_slice(key)[index])
+        except Exception as e:  # noqa: BLE001 - OSError, or safetensors' SafetensorError
+            raise SourceError([Problem("file", key, info.file, None, f"{key} in {info.file}: its slice "
+                                       f"{dim}:{start}:{stop} cannot be read ({type(e).__name__}: {e})")]) from None
+        return _slice_bytes(info, dim, start, stop)
+
     def _fd(self, path: Path) -> int:
         fds = self.__dict__.setdefault("_fds", {})
         if path not in fds:
@@ -205,6 +226,10 @@ class SafetensorsSource(Source):
             file = self.info(key).file
             raise SourceError([Problem("file", key, file, None, f"{key}: bytes {begin}:{end} of {file} "
                                        f"cannot be read ({type(e).__name__}: {e}); is the file truncated?")]) from e
+
+
+def _slice_bytes(info: TensorInfo, dim: int, start: int, stop: int) -> int:
+    return info.nbytes // max(info.shape[dim], 1) * (stop - start) if info.shape else info.nbytes
 
 
 def _map(f: Path, begin: int, end: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rules
+from loader.rules import Fuse, Ignore, Rules, Shard
 from registry import ArchSpec, hookimpl
 from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
@@ -219,6 +219,36 @@ def num_kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def tensor_parallel(config, size: int):
+    """(rank-local config, Shard rules) for `size` ranks, Megatron-style: q/k/v and gate/up split by rows
+    (column-parallel; k/v by KV heads, each rank one head when size > KV), o/down by cols (row-parallel), the
+    embedding and head by vocab rows (padded to a multiple of 64), norms replicated. Every rank builds the same
+    local shapes; the loader's Shard rules say which slice of each checkpoint tensor a rank reads."""
+    import copy
+
+    from loader.shard import padded_vocab
+
+    heads, kv, inter = config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size
+    for field, n in (("num_attention_heads", heads), ("intermediate_size", inter)):
+        if n % size:
+            raise ValueError(f"config.{field}={n} does not split over tensor parallel size {size}")
+    if kv % size and size % kv:
+        raise ValueError(f"config.num_key_value_heads={kv} and tensor parallel size {size}: neither divides the other")
+    local = copy.deepcopy(config)
+    local.head_dim = head_dim_of(config)
+    local.num_attention_heads = heads // size
+    local.num_key_value_heads = max(kv // size, 1)
+    local.intermediate_size = inter // size
+    local.vocab_size = padded_vocab(config.vocab_size, size) // size
+    rules = Rules(shards=(
+        Shard(r"\.(q_proj|gate_proj|up_proj)\.(weight|bias)$", "column"),
+        Shard(r"\.(k_proj|v_proj)\.(weight|bias)$", "kv", heads=kv),
+        Shard(r"\.(o_proj|down_proj)\.weight$", "row"),
+        Shard(r"(^|\.)(embed_tokens|lm_head)\.weight$", "vocab", size=config.vocab_size),
+    ))
+    return local, rules
+
+
 def validate(config) -> None:
     """Raise ValueError naming the config field this family cannot serve."""
     heads, kv = config.num_attention_heads, num_kv_heads_of(config)
@@ -236,4 +266,4 @@ def validate(config) -> None:
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("LlamaForCausalLM",), "plugins.llama:LlamaForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

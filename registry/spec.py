@@ -18,6 +18,9 @@ class ArchSpec:
     family: str  # one of FAMILIES
     rules: Rules = field(default_factory=Rules)
     validate: Callable[[Any], None] | None = None  # raises ValueError naming the config field at fault
+    # tensor parallelism: (config, size) -> (the rank-local config the model is built from, the Shard rules);
+    # raises ValueError naming the config field that does not split. None: the architecture has no TP yet.
+    tensor_parallel: Callable[[Any, int], tuple[Any, Rules]] | None = None
     override: bool = False  # replace another plugin's claim on the same architecture
     plugin: str = ""  # filled in by the registry: the plugin that registered it
 

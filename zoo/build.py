@@ -49,6 +49,18 @@ def rules_for(spec, model) -> loader.Rules:
     return spec.rules + getattr(model, "load_rules", loader.Rules())
 
 
+def tensor_parallel_model(spec, config, size: int):
+    """(rank-local model on meta, rules with the Shard specs) for a tensor-parallel group of `size`; every
+    rank builds the same shapes. ValueError naming the architecture or the config field that cannot split."""
+    if spec.tensor_parallel is None:
+        raise ValueError(f"architecture {spec.architectures[0]} (plugin {spec.plugin}) has no tensor-parallel "
+                         f"layout yet; run it with tensor parallel size 1")
+    local, shard_rules = spec.tensor_parallel(config, size)
+    with torch.device("meta"):
+        model = spec.build(local)
+    return model, rules_for(spec, model) + shard_rules
+
+
 def check_layers(config, source: loader.Source) -> None:
     """Refuse, before a model is built, a config that claims more layers than the checkpoint holds (a
     num_hidden_layers of 100000 would take minutes and gigabytes to build, then report a million missing

@@ -1,6 +1,9 @@
 """Show the loader's plan for a checkpoint, from headers only: what maps where, and every problem.
 
-    zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all]
+    zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all] [--tensor-parallel-size N]
+
+With --tensor-parallel-size N, every rank's plan is computed here (no rank is spawned): the bytes each rank
+reads, and the proof that the ranks' slices cover every element of every tensor exactly once.
 
 Exit status: 0 the checkpoint fits the model, 1 problems found, 2 the checkpoint or model cannot be read.
 """
@@ -12,6 +15,7 @@ from collections import defaultdict
 import torch
 
 from loader import LoadError, Rules, open_source, plan
+from loader.plan import plan_ranks
 from loader.problems import SHOWN
 from zoo.table import print_table
 
@@ -23,6 +27,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--all", action="store_true", help="one row per tensor (default: layers folded)")
     parser.add_argument("--allow-bin", action="store_true", help="accept PyTorch pickle (.bin) weights")
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="plan every rank of an N-way tensor-parallel group and prove their slices' union")
 
 
 def run(args) -> int:
@@ -30,7 +36,11 @@ def run(args) -> int:
 
     try:
         source = open_source(args.model, allow_bin=args.allow_bin, revision=args.revision, strict=False)
-        model, rules, what = _build(source, args.transformers)
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more")
+        if args.tensor_parallel_size > 1 and args.transformers:
+            raise ValueError("--tensor-parallel-size plans the zoo's model; it cannot go with --transformers")
+        model, rules, what = _build(source, args.transformers, args.tensor_parallel_size)
     except LoadError as e:  # with problems (a malformed header entry): a finding; else nothing to inspect
         print(f"zoo inspect: {e}")
         return exit_status(e)
@@ -40,6 +50,8 @@ def run(args) -> int:
     except Exception as e:  # the model class refuses the config while it is built on meta
         print(f"zoo inspect: {args.model}: the model cannot be built from its config: {type(e).__name__}: {e}")
         return 2
+    if args.tensor_parallel_size > 1:
+        return _run_ranks(model, source, rules, what, args.tensor_parallel_size)
     p = plan(model, source, rules)
     print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) "
           f"-> {what}")
@@ -78,7 +90,30 @@ def _step_path(model) -> str:
     return f"the module path: the fused step does not apply: {why}"
 
 
-def _build(source, use_transformers: bool):
+def _run_ranks(model, source, rules, what: str, size: int) -> int:
+    rp = plan_ranks(model, source, rules, size)
+    print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) -> {what}, "
+          f"tensor parallel size {size}")
+    full = sum(source.info(k).nbytes for k in source.keys())
+    rows = []
+    for r, p in enumerate(rp.plans):
+        sliced = sum(e.slice is not None for e in p.entries)
+        rows.append((str(r), str(len(p.entries)), str(sliced), f"{rp.bytes(r) / 1e6:.3f}",
+                     f"{rp.bytes(r) / max(full, 1):.2f}"))
+    print_table(["rank", "tensors", "sliced", "MB read", "of checkpoint"], rows)
+    if rp.problems:
+        print(f"{len(rp.problems)} problems:")
+        for problem in rp.problems[:SHOWN]:
+            print(f"  {problem}")
+        if len(rp.problems) > SHOWN:
+            print(f"  ... and {len(rp.problems) - SHOWN} more problems")
+        return 1
+    print(f"ok: the {size} ranks' slices cover every element of every checkpoint tensor exactly once "
+          f"(replicated tensors and KV heads by exactly the ranks that share them)")
+    return 0
+
+
+def _build(source, use_transformers: bool, tp_size: int = 1):
     import transformers
 
     from zoo.build import check_layers
@@ -96,12 +131,16 @@ def _build(source, use_transformers: bool):
     spec = get_registry().resolve(config)
     if spec.validate is not None:
         spec.validate(config)
-    with torch.device("meta"):
-        model = spec.build(config)  # (a PluginError is a ValueError: one line, exit 2)
-    cls = type(model)
-    from zoo.build import rules_for
+    from zoo.build import rules_for, tensor_parallel_model
 
-    return model, rules_for(spec, model), f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
+    if tp_size > 1:
+        model, rules = tensor_parallel_model(spec, config, tp_size)
+    else:
+        with torch.device("meta"):
+            model = spec.build(config)  # (a PluginError is a ValueError: one line, exit 2)
+        rules = rules_for(spec, model)
+    cls = type(model)
+    return model, rules, f"zoo {cls.__module__}.{cls.__name__} (plugin {spec.plugin})"
 
 
 def _cache_line(model) -> str:

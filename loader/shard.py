@@ -1,0 +1,97 @@
+"""Tensor-parallel arithmetic: which slice of a checkpoint tensor one rank holds, from a Shard rule.
+
+    Parallel(rank, size)            one rank of a group of `size`
+    shard_dim(shard)                the dim a Shard splits (1 for "row", else 0)
+    local_size(shard, full, size)   rank-local extent along that dim of a `full`-long one
+    full_size(shard, local, size)   the inverse: the full tensor's extent a `local`-long parameter part implies
+    slice_of(shard, full, tp)       Slice(dim, start, stop, copies): rank tp.rank's rows (or cols) of the full
+                                    tensor, and how many ranks hold that same slice (KV replication: size/heads)
+
+Every rank's parameter has the same local shape; only the slice differs. The vocabulary is padded to a
+multiple of 64 (of 64 x size when 64 rows do not split evenly) so each rank's part is whole; the padding rows
+are no checkpoint's: the loader zeroes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loader.rules import Shard
+
+VOCAB_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class Parallel:
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank {self.rank} of {self.size}: expected 0 <= rank < size >= 1")
+
+
+@dataclass(frozen=True)
+class Slice:
+    dim: int
+    start: int
+    stop: int
+    copies: int = 1  # ranks holding this same slice (1 unless the heads are replicated)
+
+    def __str__(self) -> str:
+        return f"{'cols' if self.dim == 1 else 'rows'} {self.start}:{self.stop}"
+
+
+def padded_vocab(size: int, n: int) -> int:
+    padded = -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if padded % n:
+        padded = -(-size // (VOCAB_MULTIPLE * n)) * VOCAB_MULTIPLE * n
+    return padded
+
+
+def shard_dim(shard: Shard) -> int:
+    return 1 if shard.kind == "row" else 0
+
+
+def split_problem(shard: Shard, n: int) -> str | None:
+    """Why `shard` cannot split over `n` ranks whatever the tensor (a kv head count that neither divides nor
+    is divided by n), or None."""
+    if shard.kind == "kv" and shard.heads % n and n % shard.heads:
+        return f"{shard.heads} KV heads cannot be split over {n} ranks (neither divides the other)"
+    return None
+
+
+def local_size(shard: Shard, full: int, n: int) -> int:
+    """Rank-local extent of a `full`-long dim; ValueError when it does not split."""
+    if shard.kind == "replicated":
+        return full
+    if shard.kind == "vocab":
+        return padded_vocab(shard.size, n) // n
+    parts = min(shard.heads, n) if shard.kind == "kv" else n
+    if (why := split_problem(shard, n)) or full % parts:
+        raise ValueError(why or f"size {full} does not split into {parts} equal parts")
+    return full // parts
+
+
+def full_size(shard: Shard, local: int, n: int) -> int:
+    """The full tensor's extent along shard_dim that a rank-local extent `local` implies."""
+    if shard.kind == "replicated":
+        return local
+    if shard.kind == "vocab":
+        return shard.size
+    return local * (min(shard.heads, n) if shard.kind == "kv" else n)
+
+
+def slice_of(shard: Shard, full: int, tp: Parallel) -> Slice | None:
+    """Rank tp.rank's part of a `full`-long dim (None: replicated, the whole tensor)."""
+    if shard.kind == "replicated":
+        return None
+    part = local_size(shard, full, tp.size)
+    dim = shard_dim(shard)
+    if shard.kind == "vocab":
+        start = min(tp.rank * part, shard.size)
+        return Slice(dim, start, min(start + part, shard.size))
+    if shard.kind == "kv" and shard.heads < tp.size:
+        copies = tp.size // shard.heads
+        head = tp.rank // copies
+        return Slice(dim, head * part, (head + 1) * part, copies)
+    return Slice(dim, tp.rank * part, (tp.rank + 1) * part)
