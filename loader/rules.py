@@ -123,6 +123,15 @@ class Transform:
 
 
 SHARD_KINDS = ("column", "row", "vocab", "kv", "replicated")
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab(size: int, n: int) -> int:
+    """`size` rows padded to a multiple of 64 (of 64 x n when that does not split over n ranks)."""
+    padded = -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if padded % n:
+        padded = -(-size // (VOCAB_MULTIPLE * n)) * VOCAB_MULTIPLE * n
+    return padded
 
 
 @dataclass(frozen=True)

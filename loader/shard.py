@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loader.rules import Shard
-
-VOCAB_MULTIPLE = 64
+from loader.rules import Shard, padded_vocab
 
 
 @dataclass(frozen=True)
@@ -39,13 +37,6 @@ class Slice:
 
     def __str__(self) -> str:
         return f"{'cols' if self.dim == 1 else 'rows'} {self.start}:{self.stop}"
-
-
-def padded_vocab(size: int, n: int) -> int:
-    padded = -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if padded % n:
-        padded = -(-size // (VOCAB_MULTIPLE * n)) * VOCAB_MULTIPLE * n
-    return padded
 
 
 def shard_dim(shard: Shard) -> int:

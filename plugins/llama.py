@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rules, Shard
+from loader.rules import Fuse, Ignore, Rules, Shard, padded_vocab
 from registry import ArchSpec, hookimpl
 from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
@@ -225,8 +225,6 @@ def tensor_parallel(config, size: int):
     embedding and head by vocab rows (padded to a multiple of 64), norms replicated. Every rank builds the same
     local shapes; the loader's Shard rules say which slice of each checkpoint tensor a rank reads."""
     import copy
-
-    from loader.shard import padded_vocab
 
     heads, kv, inter = config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size
     for field, n in (("num_attention_heads", heads), ("intermediate_size", inter)):

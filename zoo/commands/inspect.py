@@ -65,12 +65,7 @@ def run(args) -> int:
     if not args.transformers:
         print(_cache_line(model))
     if p.problems:
-        print(f"{len(p.problems)} problems:")
-        for problem in p.problems[:SHOWN]:
-            print(f"  {problem}")
-        if len(p.problems) > SHOWN:
-            print(f"  ... and {len(p.problems) - SHOWN} more problems")
-        return 1
+        return _print_problems(p.problems)
     print(f"ok: every checkpoint tensor and every element of every parameter is accounted for")
     for t in p.ties:
         if not t.tied:  # the config ties them: say it in the summary, not only in the tie lines
@@ -90,6 +85,15 @@ def _step_path(model) -> str:
     return f"the module path: the fused step does not apply: {why}"
 
 
+def _print_problems(problems) -> int:
+    print(f"{len(problems)} problems:")
+    for problem in problems[:SHOWN]:
+        print(f"  {problem}")
+    if len(problems) > SHOWN:
+        print(f"  ... and {len(problems) - SHOWN} more problems")
+    return 1
+
+
 def _run_ranks(model, source, rules, what: str, size: int) -> int:
     rp = plan_ranks(model, source, rules, size)
     print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) -> {what}, "
@@ -102,12 +106,7 @@ def _run_ranks(model, source, rules, what: str, size: int) -> int:
                      f"{rp.bytes(r) / max(full, 1):.2f}"))
     print_table(["rank", "tensors", "sliced", "MB read", "of checkpoint"], rows)
     if rp.problems:
-        print(f"{len(rp.problems)} problems:")
-        for problem in rp.problems[:SHOWN]:
-            print(f"  {problem}")
-        if len(rp.problems) > SHOWN:
-            print(f"  ... and {len(rp.problems) - SHOWN} more problems")
-        return 1
+        return _print_problems(rp.problems)
     print(f"ok: the {size} ranks' slices cover every element of every checkpoint tensor exactly once "
           f"(replicated tensors and KV heads by exactly the ranks that share them)")
     return 0
