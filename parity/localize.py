@@ -151,9 +151,46 @@ def localize(ref_model, ref_run: RefRun, ref: Trace, zoo: Trace, masks: list[tor
         if culprit is None:
             culprit = _first_local(name, local_rows, replayed, zoo, masks, tol)
             replayed_culprit = replayed
+            if culprit is not None and role == "layer" and culprit["role"] not in ("router", "layer"):
+                culprit = _own_error_culprit(ref_model, ref_run, name, inner, culprit, local_rows,
+                                             _zoo_input(zoo, ref, src), zoo, ref, here, tol) or culprit
         prev = name
     hints = _hints(ref_model, culprit, blocks, ref, zoo, masks, tol, config, replayed_culprit) if culprit else []
     return Localization(blocks, culprit, hints)
+
+
+def _own_error_culprit(ref_model, ref_run, block, inner, culprit, local_rows, layer_input, zoo, ref, here,
+                       tol) -> dict | None:
+    """Blame by each tap's own added error: replay the layer with the zoo's outputs of every sub-block before
+    tap t in place of the reference's, so t's error no longer holds what an upstream sub-block added (an MLP
+    amplifying a small residual slip is not to blame). Returns the first tap whose own error exceeds the
+    tolerance, the layer's own tap last (its residual adds, every sub-block fed the zoo's values), or None
+    when that is the first-local culprit already."""
+    taps, own_max = inner + [block], {}
+    for i, t in enumerate(taps):
+        upstream = {u: _zoo_input(zoo, ref, u) for u in taps[:i] if role_of(u) != "router"}
+        if upstream:
+            rows, _ = replay_layer(ref_model, ref_run, block, layer_input, substitute=upstream)
+            own = _rel(rows[t], zoo.rows[t], _masks(here, (zoo, t)))
+        else:
+            own = local_rows[t]
+        own_max[t] = (_max(own), own)
+        hit = first_bad([r > tol["rel_l2"] for r in own])
+        if hit is None:
+            continue
+        if t == culprit["tap"]:
+            return None
+        r, p = hit
+        return {"block": block, "layer": layer_of(block), "tap": t, "role": role_of(t), "request": r, "position": p,
+                "local": own[r][p].item(), "inherits": culprit["tap"]}
+    # no sub-block is over tolerance on its own: the largest own error, amplified downstream, is to blame
+    t = max(own_max, key=lambda k: own_max[k][0])
+    if t == culprit["tap"]:
+        return None
+    rows = own_max[t][1]
+    r, p = first_bad([x >= 0.1 * own_max[t][0] for x in rows])  # where it starts, not where it peaks
+    return {"block": block, "layer": layer_of(block), "tap": t, "role": role_of(t), "request": r, "position": p,
+            "local": rows[r][p].item(), "inherits": culprit["tap"], "amplified": True}
 
 
 def _first_local(block: str, local_rows, replayed, zoo: Trace, masks, tol) -> dict | None:
@@ -243,6 +280,11 @@ def _hints(ref_model, culprit, blocks, ref: Trace, zoo: Trace, masks, tol, confi
         hints[:0] = _norm_and_residual_hints(ref_model, tap, role, layer, block, ref, zoo, masks, tol, replayed)
     if role in ("mlp", "router") and replayed is not None:
         hints[:0] = _routing_hints(tap if role == "mlp" else tap.rsplit(".", 1)[0], block, zoo, masks, replayed)
+    if culprit.get("inherits"):
+        hints.insert(1, f"{short(culprit['inherits'])} is the first tap over tolerance but only by what it inherits: "
+                        f"with every sub-block before it fed the zoo's values its own error is within tolerance; "
+                        f"{short(tap)} adds {culprit['local']:.1e} itself"
+                        + (" (below tolerance, amplified downstream)" if culprit.get("amplified") else ""))
     nonfinite = [int(torch.nonzero(r == float("inf")).flatten()[0]) for r in rows if (r == float("inf")).any()]
     if nonfinite:
         hints.insert(0, f"{short(tap)} at position {min(nonfinite)}: non-finite values (NaN/Inf) first appear here, "

@@ -71,15 +71,19 @@ def run_reference(model, tokens: list[list[int]], *, padded: bool = False, pad_i
 
 
 @torch.no_grad()
-def replay_layer(model, run: RefRun, layer: str, inputs: list[torch.Tensor]
+def replay_layer(model, run: RefRun, layer: str, inputs: list[torch.Tensor],
+                 substitute: dict[str, list[torch.Tensor]] | None = None
                  ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]]]:
     """Run reference layer `layer` again, on `inputs` ([L_r, H] per request) instead of its own input.
 
     Returns (rows, experts): for the layer's own tap and every tap inside it, the rows per request
     [L_r, *D] the reference computes from the zoo's input to that layer, and its routers' chosen experts
     [L_r, K]. Mask, rotary tables and positions are the ones transformers built for the original call.
+    `substitute` {tap inside the layer: rows per request}: that sub-module's output is replaced by these rows
+    (the zoo's), so what follows it computes from the zoo's value: each tap's own added error.
     """
-    module = dict(model.named_modules())[layer]
+    modules = dict(model.named_modules())
+    module = modules[layer]
     inside = {n: n for n, role in run.taps.items() if n == layer or n.startswith(layer + ".")}
     out: dict[str, list] = {n: [None] * len(run.trace.lengths) for n in inside}
     experts: dict[str, list] = {}
@@ -92,8 +96,14 @@ def replay_layer(model, run: RefRun, layer: str, inputs: list[torch.Tensor]
         for k, r in enumerate(batch.requests):
             new[k, : run.trace.lengths[r]] = inputs[r].to(new.dtype).to(new.device)
         call_args, call_kwargs = ((new, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": new})
-        with Capture(model, inside, root_output=False) as cap:
-            module(*call_args, **call_kwargs)
+        handles = [modules[t].register_forward_hook(_replace_rows(rows, batch.requests, run.trace.lengths))
+                   for t, rows in (substitute or {}).items()]
+        try:
+            with Capture(model, inside, root_output=False) as cap:
+                module(*call_args, **call_kwargs)
+        finally:
+            for h in handles:
+                h.remove()
         b, s = len(batch.requests), batch.seq_len
         for dest, values in ((out, cap.steps[-1].taps), (experts, cap.steps[-1].experts)):
             for tap, x in values.items():
@@ -102,3 +112,15 @@ def replay_layer(model, run: RefRun, layer: str, inputs: list[torch.Tensor]
                 for k, r in enumerate(batch.requests):
                     per[r] = x[k, : run.trace.lengths[r]]
     return out, experts
+
+
+def _replace_rows(rows: list[torch.Tensor], requests: list[int], lengths: list[int]):
+    """A forward hook putting rows [L_r, D] per request into a module's [B, S, D] (or [B*S, D]) output."""
+    def hook(module, args, out):
+        x = out[0] if isinstance(out, tuple) else out
+        new = x.clone().reshape(len(requests), -1, x.shape[-1])  # [B, S, D]
+        for k, r in enumerate(requests):
+            new[k, : lengths[r]] = rows[r].to(new.dtype).to(new.device)
+        new = new.reshape(x.shape)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+    return hook

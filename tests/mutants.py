@@ -145,6 +145,19 @@ class AttentionScaleLayer(LlamaDecoderLayer):
             self.self_attn.attn.scale *= 2 ** 0.5  # the bug
 
 
+# -- the attention residual scaled by 1 + RESIDUAL_SLIP: a small error the MLP then amplifies (class 8) -------------
+RESIDUAL_SLIP = 1e-4
+
+
+class ResidualScaledLayer(LlamaDecoderLayer):
+    def forward(self, positions, hidden_states, batch):
+        if self.layer_idx != BUG_LAYER:
+            return super().forward(positions, hidden_states, batch)
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), batch)
+        hidden_states = hidden_states * (1 + RESIDUAL_SLIP) + h  # the bug: the skip path scaled
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
 # -- sliding window one token too wide (Mistral) ------------------------------------------------------------
 class WindowOffByOneLayer(MistralDecoderLayer):
     def attention_kwargs(self, config, layer_idx):
@@ -267,6 +280,7 @@ WindowOffByOne = _mistral(WindowOffByOneLayer)
 DecodeRaises = _llama(DecodeRaisesLayer)
 NormEpsSlight = _llama(NormEpsSlightLayer)
 AttentionScale = _llama(AttentionScaleLayer)
+ResidualScaled = _llama(ResidualScaledLayer)
 FeedForward = _llama(FeedForwardLayer)
 FeedForward.parity_taps = {"model.layers.{i}.feed_forward": "model.layers.{i}.mlp"}
 MoeNoRenorm = _mixtral(_router_layer(NoRenormRouter))
@@ -296,6 +310,7 @@ VARIANTS = {
 BLIND_SPOT_MUTANTS = {
     "norm_eps_slight": ("LlamaForCausalLM", "NormEpsSlight"),
     "attention_scale": ("LlamaForCausalLM", "AttentionScale"),
+    "residual_scaled": ("LlamaForCausalLM", "ResidualScaled"),
 }
 FAMILY = {"MixtralForCausalLM": "moe"}
 RULES_OF = {"MixtralForCausalLM": MIXTRAL_RULES}

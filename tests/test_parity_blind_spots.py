@@ -200,3 +200,17 @@ def test_an_untie_is_said_by_inspect_run_and_parity(tmp_path, capsys):
     assert f"zoo: note: {untie}" in capsys.readouterr().err
     zoo_main(["parity", str(path), "--scenario", "prefill", "--quiet"])
     assert f"NOTE: {untie}: the config ties them" in capsys.readouterr().out
+
+
+def test_blame_goes_to_the_tap_that_adds_the_error(llama):
+    """The attention residual scaled by 1 + 1e-4: the post-attention norm passes it on below tolerance, the MLP
+    amplifies it over; the MLP's own error (fed the zoo's norm output) is nil, the residual adds are to blame."""
+    with planted("residual_scaled"):
+        result = run_parity(llama, scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    assert s.first_divergence["tap"] == f"{L}.mlp", s.first_divergence  # the first tap over tolerance
+    culprit = s.localization.culprit
+    assert (culprit["block"], culprit["tap"], culprit["inherits"], culprit["position"]) == (L, L, f"{L}.mlp", 0), culprit
+    assert s.localization.hints[0].startswith(f"L{BUG_LAYER} at position") and "residual adds" in s.localization.hints[0]
+    assert s.localization.hints[1].startswith(f"L{BUG_LAYER}.mlp is the first tap over tolerance but only by what it "
+                                              f"inherits"), s.localization.hints
