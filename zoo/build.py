@@ -16,11 +16,14 @@ from zoo.runtime.model_files import ConfigError, read_config, validate_config
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None):
+def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None,
+                tp: loader.Parallel | None = None):
     """(model in eval mode, transformers config, ArchSpec, loader.LoadReport).
 
     `path_or_source` is a local directory in the Hugging Face layout, a hub id, or a `loader.Source`;
     `config` (a transformers PretrainedConfig) replaces the checkpoint's config.json when given.
+    `tp=Parallel(rank, size)`: this rank's part of a tensor-parallel model (its slices only, the layers that
+    talk to the other ranks swapped in: zoo/layers/parallel.py); its forward needs torch.distributed's group.
     """
     # not strict here: an index that disagrees with its shards is reported by load() with every other problem
     source = loader.open_source(path_or_source, strict=False) if isinstance(path_or_source, (str, Path)) \
@@ -36,10 +39,18 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
             spec.validate(config)
         except ValueError as e:
             raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
-    with torch.device("meta"):
-        model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
+    if tp is not None and tp.size > 1:
+        model, rules = tensor_parallel_model(spec, config, tp.size)
+    else:
+        with torch.device("meta"):
+            model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
+        rules, tp = rules_for(spec, model), None
     # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
-    report = loader.load(model, source, rules_for(spec, model), dtype=dtype, device=device, check_finite=True)
+    report = loader.load(model, source, rules, dtype=dtype, device=device, check_finite=True, tp=tp)
+    if tp is not None:
+        from zoo.layers.parallel import parallelize
+
+        parallelize(model, rules, tp.rank, config.vocab_size)
     return model.eval(), config, spec, report
 
 

@@ -41,7 +41,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype="float32", device="cpu", num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None):
+                 encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
+                 tensor_parallel_size: int = 1):
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
         say = progress or (lambda msg: None)
@@ -51,8 +52,19 @@ class LLM:
         config = load_config(self.files)
         self.tokenizer = load_tokenizer(self.files)
         say(f"loading weights of {self.files.name}")
-        self.model, self.config, self.spec, self.load_report = build_model(
-            self.files.path, dtype=_dtype(dtype), device=device, config=config)
+        self.tp_group = None
+        if tensor_parallel_size != 1:  # ranks 1.. spawned here, each loading its slices (zoo/runtime/distributed.py)
+            from zoo.runtime.distributed import TensorParallelGroup
+
+            if str(device) != "cpu":
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on gloo: device must be 'cpu'")
+            self.tp_group = TensorParallelGroup(self.files.path, tensor_parallel_size, dtype=_dtype(dtype))
+            group = self.tp_group
+            self.model, self.config, self.spec, self.load_report = group.model, group.config, group.spec, \
+                group.load_report
+        else:
+            self.model, self.config, self.spec, self.load_report = build_model(
+                self.files.path, dtype=_dtype(dtype), device=device, config=config)
         self.engine = LLMEngine(
             self.model, self.config, self.tokenizer, model_id=self.files.model_id,
             generation_config=load_generation_config(self.files), num_blocks=num_blocks,
@@ -60,7 +72,14 @@ class LLM:
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             device=device, processor=load_processor(self.files) if self.spec.family == "multimodal" else None,
             encoder_cache_rows=encoder_cache_rows)
+        if self.tp_group is not None:
+            self.tp_group.attach(self.engine)
         self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this LLM spawned (nothing to do for one process)."""
+        if getattr(self, "tp_group", None) is not None:
+            self.tp_group.close()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
