@@ -61,10 +61,18 @@ def _warn_unknown_plugins() -> None:
         print(f"zoo: warning: {unknown_plugin_message(name)}", file=sys.stderr)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("zoo")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = _commands()
     parser = argparse.ArgumentParser(prog="zoo", description="A plugin-based LLM model zoo.")
+    parser.add_argument("--version", action="version", version=f"zoo {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     module = None

@@ -3,6 +3,7 @@
     zoo run                                         interactive chat with SmolLM2-135M-Instruct
     zoo run --prompt "What is the capital of France?"
     zoo run org/name --prompt "Once upon a time" --no-chat --temperature 0.8 --seed 1
+    zoo run --system "Answer in French." --stop "\n\n" --max-model-len 2048 --repetition-penalty 1.1
     echo "Hello" | zoo run path/to/model.gguf
 
 Instruct models (a tokenizer with a chat template) get their chat template unless --no-chat.
@@ -12,6 +13,7 @@ go to stderr. Exit status: 0 success, 1 a loader finding, 2 usage or environment
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
@@ -31,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
+    parser.add_argument("--stop", action="append", metavar="TEXT", help="stop the reply at this text (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of "
+                                                                "the tokenizer's")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
@@ -76,15 +85,28 @@ def run(args) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+                                top_k=args.top_k, seed=args.seed, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, stop=args.stop or [],
+                                ignore_eos=args.ignore_eos)
     except ValueError as e:
         return _fail(f"bad option: {e}", 2)
-    llm = _load(args)
+    if args.max_model_len is not None and args.max_model_len < 2:
+        return _fail(f"bad option: --max-model-len={args.max_model_len}: must be >= 2", 2)
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}", 2)
+    llm = _load(args, max_model_len=args.max_model_len)
     if isinstance(llm, int):
         return llm
     tok = llm.tokenizer
     if tok is None:
         return _fail(f"{llm.files.name} has no tokenizer files; zoo run needs one", 2)
+    if template is not None:
+        tok.chat_template = template
     has_template = bool(getattr(tok, "chat_template", None))
     if args.chat and not has_template:
         return _fail(f"--chat: the tokenizer of {llm.files.name} has no chat template", 2)
@@ -104,25 +126,68 @@ def run(args) -> int:
             return _fail(str(e), 2)                # an image that cannot be decoded)
     if args.image:
         return _fail("--image needs --prompt (or a prompt on stdin)", 2)
+    return _interactive(llm, chat, history, params)
+
+
+HELP = """commands:
+  /reset   forget the conversation (the system message stays)
+  /help    this list
+  /exit    quit (or Ctrl-D, or Ctrl-C twice at an empty prompt)
+Ctrl-C during a reply stops it; up / down arrows recall earlier prompts."""
+
+
+def _interactive(llm, chat: bool, history: list[dict], params) -> int:
+    """The terminal chat: readline line editing and history, Ctrl-C stops a reply, /reset /help /exit."""
+    try:
+        import readline  # noqa: F401 - input() gets line editing and history
+    except ImportError:
+        pass
+    system = list(history)
     print(f"zoo: chatting with {llm.files.name} ({'chat' if chat else 'completion'} mode); "
-          f"empty line or Ctrl-D to quit", file=sys.stderr)
+          f"/help for commands, Ctrl-D or /exit to quit", file=sys.stderr)
+    interrupted = False  # the last thing was a Ctrl-C: another one at an empty prompt quits
     while True:
         try:
             prompt = input("> ")
         except EOFError:
             print(file=sys.stderr)
             return 0
-        if not prompt.strip():
+        except KeyboardInterrupt:
+            if interrupted:
+                print(file=sys.stderr)
+                return 0
+            interrupted = True
+            print("\nzoo: Ctrl-C again, Ctrl-D or /exit to quit", file=sys.stderr)
+            continue
+        interrupted = False
+        command = prompt.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
             return 0
+        if command == "/help":
+            print(HELP, file=sys.stderr)
+            continue
+        if command == "/reset":
+            history[:] = system
+            print("zoo: conversation reset", file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"zoo: unknown command {command}; /help lists them", file=sys.stderr)
+            continue
         try:
             ids = _fit(llm, prompt, chat, history)
+            reply = _generate(llm, ids, params)
         except PromptTooLong as e:
             print(f"zoo run: error: {e}; try a shorter one", file=sys.stderr)
             continue
         except ValueError as e:
             print(f"zoo run: error: {e}", file=sys.stderr)
             continue
-        reply = _generate(llm, ids, params)
+        except KeyboardInterrupt:  # the reply stops (its request aborted, blocks freed); the turn is not kept
+            print("\nzoo: interrupted", file=sys.stderr, flush=True)
+            interrupted = True
+            continue
         if reply is None:
             return 1
         if chat:
@@ -208,18 +273,19 @@ def _generate(llm, request: list[int] | dict, params) -> str | None:
     """The reply (streamed to stdout), or None when the model's logits went NaN / infinite (said on stderr)."""
     t0 = time.perf_counter()
     first = None
-    text, n, ids = "", 0, request
-    for out in llm.stream([request], params):
-        ids = out.prompt_token_ids
-        if first is None:
-            first = time.perf_counter()
-        sys.stdout.write(out.delta_text)
-        sys.stdout.flush()
-        text, n = out.text, len(out.token_ids)
-        if out.finish_reason == "error":
-            sys.stdout.write("\n")
-            _fail(f"{llm.files.name}: {out.stop_reason}; stopped after {n} tokens", 1)
-            return None
+    text, n, ids, reason = "", 0, request, None
+    with contextlib.closing(llm.stream([request], params)) as outs:  # (closed on Ctrl-C: the request aborted)
+        for out in outs:
+            ids = out.prompt_token_ids
+            if first is None:
+                first = time.perf_counter()
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            text, n, reason = out.text, len(out.token_ids), out.finish_reason
+            if out.finish_reason == "error":
+                sys.stdout.write("\n")
+                _fail(f"{llm.files.name}: {out.stop_reason}; stopped after {n} tokens", 1)
+                return None
     end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -227,6 +293,10 @@ def _generate(llm, request: list[int] | dict, params) -> str | None:
     rate = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
     print(f"zoo: {n} tokens, {rate:.1f} tok/s, time to first token {ttft * 1000:.0f} ms, prompt {len(ids)} tokens",
           file=sys.stderr, flush=True)
+    if reason == "length":
+        why = f"--max-tokens={params.max_tokens}" if n >= params.max_tokens else \
+            f"the context length (max_model_len={llm.engine.max_model_len})"
+        print(f"zoo: note: the reply was cut at {why}", file=sys.stderr, flush=True)
     return text
 
 

@@ -119,8 +119,12 @@ def _from_hub(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
     except Exception as e:
-        where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
-        raise ModelNotFound(f"hub model {repo_id!r} is not available {where}: {type(e).__name__}: {e}") from None
+        if offline:  # the usual case here: say how to get it, in one line
+            raise ModelNotFound(f"hub model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                                f"is set: get it with `hf download {repo_id}`, or unset HF_HUB_OFFLINE") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelNotFound(f"hub model {repo_id!r} is not available on the hub: {type(e).__name__}: {first} "
+                            f"(check the id; a gated model needs `hf auth login`)") from None
 
 
 # -- config, generation config, tokenizer --------------------------------------------------------------
