@@ -6,9 +6,12 @@ within each head, (half, 2) -> (2, half) read as rows, so that rotary pairs sit 
 for the Llama architecture, with the head counts from the file's metadata.
 
 A GGUF file is untrusted input: check_header() walks its whole header (magic, version, every metadata
-value, every tensor's dims, type and data range) with bounds checks before the `gguf` package (or
-transformers, which converts the config from it) parses anything, so a malformed file is one SourceError
-naming the file and the key, never a struct.error, a reshape error or a huge allocation.
+value, every tensor's dims, type and data range) with bounds checks before transformers (which converts the
+config from it) parses anything, so a malformed file is one SourceError naming the file and the key, never a
+struct.error, a reshape error or a huge allocation. GGUFSource reads its tensor table from that same walk
+(one pass over the header; the `gguf` package's reader would parse the whole vocabulary into numpy
+arrays, seconds per start) and its tensors straight from a read-only mapping; the `gguf` package only
+dequantises.
 """
 from __future__ import annotations
 
@@ -93,12 +96,13 @@ class _Reader:
         seen.add(s)
         return s
 
-    def value(self, kind: int, what: str, depth: int = 0):
-        """Skip (or, for the scalars and strings the header needs, return) one metadata value."""
+    def value(self, kind: int, what: str, depth: int = 0, text: bool = False):
+        """Skip one metadata value, returning it when it is a scalar (or, with `text`, a string); arrays are
+        skipped (None)."""
         if kind in SCALARS:
             return self.unpack(SCALARS[kind], what)
         if kind == STRING:
-            return self.string(what, text=False)
+            return self.string(what, text=text)
         if kind != ARRAY:
             raise SourceError([], f"{self.name}: {what} has value type {kind}, which GGUF does not define")
         if depth >= MAX_NESTING:
@@ -133,7 +137,9 @@ def check_header(path: Path, name: str | None = None) -> None:
         os.close(fd)
 
 
-def _check(r: _Reader, size: int) -> None:
+def _check(r: _Reader, size: int, keep: bool = False) -> tuple[dict, list[tuple[str, list[int], int, int]]]:
+    """Walk and check the header; returns (metadata: the scalar and, with `keep`, string values by key;
+    tensors: (name, GGUF dims fastest-first, GGML type, absolute data offset) in header order)."""
     name = r.name
     if bytes(r.buf[:4]) != b"GGUF":
         raise SourceError([], f"{name}: not a GGUF file (its first bytes are not the GGUF magic)")
@@ -147,11 +153,11 @@ def _check(r: _Reader, size: int) -> None:
     if n_kv * 12 > r.left() or n_tensors * 24 > r.left():
         raise SourceError([], f"{name}: the header claims {n_tensors} tensors and {n_kv} metadata entries, more "
                               f"than its {size} bytes can describe")
-    keys, alignment = set(), 32
+    keys, alignment, metadata = set(), 32, {}
     for i in range(n_kv):
         key = r.unique(keys, f"metadata key {i}", "metadata key")
         kind = r.unpack("<I", f"metadata {_say(key)}")
-        v = r.value(kind, f"metadata {_say(key)}")
+        v = metadata[key] = r.value(kind, f"metadata {_say(key)}", text=keep)
         if key == "general.alignment":
             if kind != 4 or not v or v & (v - 1):
                 raise SourceError([], f"{name}: metadata general.alignment must be a uint32 power of two")
@@ -176,16 +182,18 @@ def _check(r: _Reader, size: int) -> None:
         if offset % alignment:
             raise SourceError([], f"{name}: tensor {_say(t)}: its data offset {offset} is not a multiple of the "
                                   f"alignment {alignment}")
-        tensors.append((offset, offset + n // block * block_bytes, t))
+        tensors.append((offset, offset + n // block * block_bytes, t, dims, kind))
     data = r.pos + (-r.pos) % alignment
     prev_end, prev = 0, None
-    for begin, end, t in sorted(tensors):
+    for begin, end, t, _, _ in sorted(tensors):
         if data + end > size:
             raise SourceError([], f"{name}: tensor {_say(t)}: its data (bytes {data + begin}:{data + end}) runs past "
                                   f"the end of the file ({size} bytes): truncated, or a lying header")
         if begin < prev_end:
             raise SourceError([], f"{name}: tensor {_say(t)}: its data overlaps that of {_say(prev)}")
         prev_end, prev = end, t
+    return ({k: v for k, v in metadata.items() if v is not None},
+            [(t, dims, kind, data + begin) for begin, _, t, dims, kind in tensors])
 
 
 def _type_name(kind: int) -> str:
@@ -218,36 +226,35 @@ class GGUFSource(Source):
     kind = "gguf"
 
     def __init__(self, path: Path):
-        import gguf  # only here: the rest of the loader does not need it
+        import gguf  # only here (and for the type table): the rest of the loader does not need it
 
         super().__init__(path.parent, [path])
         self._gguf = gguf
         self.rules = GGUF_RULES
-        check_header(path)
+        fd = _open_regular(Path(path), path.name)
         try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # (check_header lets nothing malformed through; kept as a last line)
-            raise SourceError([], f"{path.name}: not a readable GGUF file: {type(e).__name__}") from None
-        self.metadata = {}
-        for k, f in self.reader.fields.items():
-            if not k.startswith("GGUF."):
-                try:
-                    self.metadata[k] = f.contents()
-                except (ValueError, TypeError, IndexError) as e:  # (a string value that is not UTF-8)
-                    raise SourceError([], f"{path.name}: metadata {_say(k)} cannot be read ({type(e).__name__})") from None
+            size = os.fstat(fd).st_size
+            if size < 24:
+                raise SourceError([], f"{path.name}: not a GGUF file ({size} bytes, shorter than a GGUF header)")
+            self._buf = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # (kept open by the mapping, not the fd)
+        finally:
+            os.close(fd)
+        # metadata: every scalar and string value (arrays, such as the vocabulary, are skipped, not parsed)
+        self.metadata, tensors = _check(_Reader(self._buf, path.name), size, keep=True)
         self.architecture = str(self.metadata.get("general.architecture", ""))
         arch = self.architecture
         self.n_heads = self.metadata.get(f"{arch}.attention.head_count")
         self.n_kv_heads = self.metadata.get(f"{arch}.attention.head_count_kv", self.n_heads)
-        self._tensors = {}
-        float_types = {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}
-        for t in self.reader.tensors:
-            key = hf_name(t.name)
+        self._tensors = {}  # HF key -> (GGUF name, GGML type, absolute offset)
+        float_types = {int(gguf.GGMLQuantizationType.F16): torch.float16,
+                       int(gguf.GGMLQuantizationType.BF16): torch.bfloat16}
+        for t, dims, kind, offset in tensors:
+            key = hf_name(t)
             if key in self._infos:
-                raise SourceError([], f"{path.name}: tensors {t.name} and {self._tensors[key].name} both map to {key}")
-            dtype = float_types.get(t.tensor_type, torch.float32)  # quantised types dequantise to float32
-            self._infos[key] = TensorInfo(tuple(int(s) for s in reversed(t.shape)), dtype, path.name)
-            self._tensors[key] = t
+                raise SourceError([], f"{path.name}: tensors {t} and {self._tensors[key][0]} both map to {key}")
+            dtype = float_types.get(kind, torch.float32)  # quantised types dequantise to float32
+            self._infos[key] = TensorInfo(tuple(int(s) for s in reversed(dims)), dtype, path.name)
+            self._tensors[key] = (t, kind, offset)
         if self.architecture in PERMUTED_ARCHS:  # the q/k rows must split into the heads the metadata names
             for key, info in self._infos.items():
                 for proj, field in (("q_proj", "head_count"), ("k_proj", "head_count_kv")):
@@ -259,7 +266,10 @@ class GGUFSource(Source):
                                               f"heads of rotary pairs")
 
     def order(self, key: str) -> tuple:
-        return ("", int(self._tensors[key].data_offset))
+        return ("", self._tensors[key][2])
+
+    def close(self) -> None:
+        self._buf.close()
 
     def get(self, key: str) -> torch.Tensor:
         info = self.info(key)
@@ -267,16 +277,23 @@ class GGUFSource(Source):
         try:
             return self._get(key, info, t)
         except (ValueError, RuntimeError, NotImplementedError) as e:
-            raise SourceError([], f"{info.file}: tensor {t.name} ({key}) cannot be read: {type(e).__name__}") from None
+            raise SourceError([], f"{info.file}: tensor {t[0]} ({key}) cannot be read: {type(e).__name__}") from None
 
     def _get(self, key: str, info: TensorInfo, t) -> torch.Tensor:
+        import numpy as np
+
         q = self._gguf.GGMLQuantizationType
-        if t.tensor_type == q.BF16:
-            out = torch.from_numpy(t.data.copy()).view(torch.bfloat16)  # stored as raw 16-bit words
-        elif t.tensor_type in (q.F32, q.F16):
-            out = torch.from_numpy(t.data.copy())
+        _, kind, offset = t
+        shape = info.shape or (1,)
+        if kind in (q.F32, q.F16, q.BF16):  # a copy out of the read-only mapping, in the file's dtype
+            word = {q.F32: np.float32, q.F16: np.float16, q.BF16: np.uint16}[kind]
+            data = np.frombuffer(self._buf, dtype=word, count=math.prod(shape), offset=offset).copy()
+            out = torch.from_numpy(data)
+            out = out.view(torch.bfloat16) if kind == q.BF16 else out  # bfloat16: stored as raw 16-bit words
         else:
-            out = torch.from_numpy(self._gguf.quants.dequantize(t.data, t.tensor_type))
+            byte_shape = self._gguf.quants.quant_shape_to_byte_shape(shape, q(kind))
+            data = np.frombuffer(self._buf, dtype=np.uint8, count=math.prod(byte_shape), offset=offset)
+            out = torch.from_numpy(self._gguf.quants.dequantize(data.reshape(byte_shape), q(kind)))
         out = out.reshape(info.shape)
         if self.architecture in PERMUTED_ARCHS and self.n_heads:
             if key.endswith("self_attn.q_proj.weight") or key.endswith("self_attn.q_proj.bias"):

@@ -48,10 +48,15 @@ class LoadReport:
 
 def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
          device="cpu", check_finite: bool = False, tp: Parallel | None = None,
-         progress: Callable[[int, int], None] | None = None) -> LoadReport:
+         progress: Callable[[int, int], None] | None = None,
+         allocate: Callable[[dict[str, tuple[torch.Size, torch.dtype]]], dict[str, torch.Tensor]] | None = None,
+         ) -> LoadReport:
     """Load `source` (a Source, a directory, a file or a hub id) into `module`; raise LoadError listing
     every problem. progress(bytes_done, bytes_total) is called after each tensor. tp=Parallel(rank, size):
-    `module` has rank-local shapes and only this rank's slices (the rules' Shard specs) are read."""
+    `module` has rank-local shapes and only this rank's slices (the rules' Shard specs) are read.
+    allocate(shapes), given the parameters to store (name -> (shape, dtype)), may return the storage of some
+    of them (a caller's layout, e.g. one buffer in reading order: the tensors are then read straight into it,
+    never copied again); the rest get their own tensors."""
     t0 = time.perf_counter()
     source = open_source(source, strict=False)
     p = plan(module, source, rules, dtype=dtype, tp=tp)
@@ -60,8 +65,11 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                                     f"{type(module).__name__} (nothing was loaded)")
     device = torch.device(device)
     written = {e.param for e in p.entries}  # (a persistent buffer the checkpoint lacks keeps its value)
-    storage = {n: torch.empty(p.params[n].shape, dtype=p.dtypes[n], device=device)
-               for n, o in p.owner.items() if n == o and (n in written or not p.params[n].buffer)}
+    stored = [n for n, o in p.owner.items() if n == o and (n in written or not p.params[n].buffer)]
+    storage = _given(allocate, {n: (torch.Size(p.params[n].shape), p.dtypes[n]) for n in stored
+                                if not p.params[n].buffer}, device) if allocate is not None else {}
+    storage.update({n: torch.empty(p.params[n].shape, dtype=p.dtypes[n], device=device)
+                    for n in stored if n not in storage})
     for name, pads in p.pads.items():  # vocab rows past the real vocabulary: no checkpoint's, zero
         for pad in pads:
             pad.view(storage[name]).zero_()
@@ -102,6 +110,17 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     _swap_in(module, p, storage, device)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _given(allocate, shapes: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The storage allocate() returned, checked against what was asked (a caller's bug is a ValueError)."""
+    given = dict(allocate(shapes))
+    for n, t in given.items():
+        if n not in shapes or (t.shape, t.dtype) != shapes[n] or t.device != device:
+            raise ValueError(f"load(allocate=...) returned {n} as {t.dtype} {list(t.shape)} on {t.device}; "
+                             f"asked for {shapes[n][1]} {list(shapes[n][0])} on {device}" if n in shapes else
+                             f"load(allocate=...) returned {n}, which was not asked for")
+    return given
 
 
 def nonfinite(t: torch.Tensor) -> int:

@@ -221,9 +221,12 @@ def test_pack_weights_keeps_values_ties_and_outputs():
                          slot_mapping=torch.arange(4), block_tables=torch.zeros(1, 1, dtype=torch.int32),
                          logits_indices=torch.tensor([3]), query_start_loc_cpu=[0, 4], seq_lens_cpu=[4])
     want = model.compute_logits(model(ids, batch.positions, batch))
+    loaded_at = {name: p.data_ptr() for name, p in model.named_parameters()}
     packed = kernels.pack_weights(model)
     assert packed == sum((p.numel() + 15) // 16 * 16 * 4 for p in model.parameters())
     assert kernels.pack_weights(model) == packed  # a second call changes nothing
+    # build_model read the weights straight into the packed layout: packing moved nothing (no second copy)
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == loaded_at
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name

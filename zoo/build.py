@@ -11,6 +11,7 @@ import torch
 
 import loader
 from registry import get_registry
+from zoo import kernels
 from zoo.runtime.model_files import ConfigError, read_config, validate_config
 
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -45,8 +46,14 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
         with torch.device("meta"):
             model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
         rules, tp = rules_for(spec, model), None
+    # float32 CPU weights are read straight into the kernels' packed layout (kernels.pack_weights, no copy)
+    allocate = kernels.packed_allocator(model) if tp is None and dtype is torch.float32 \
+        and torch.device(device).type == "cpu" else None
     # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
-    report = loader.load(model, source, rules, dtype=dtype, device=device, check_finite=True, tp=tp)
+    report = loader.load(model, source, rules, dtype=dtype, device=device, check_finite=True, tp=tp,
+                         allocate=allocate)
+    if allocate is not None:
+        kernels.mark_packed(model, allocate)
     if tp is not None:
         from zoo.layers.parallel import parallelize
 

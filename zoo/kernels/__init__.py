@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -179,6 +180,7 @@ def pack_weights(model: torch.nn.Module) -> int:
     for the decoder models here is execution order, except that embedding tables go last (a tied table
     is read in full only by the LM head, at the end; an embedding lookup reads a few rows).
     Returns the bytes packed (0 when nothing qualifies); packing a packed model again does nothing.
+    A model loaded with loader.load(allocate=packed_allocator(model)) is packed already (no copy).
     """
     if getattr(model, "_zoo_packed_bytes", None) is not None:
         return model._zoo_packed_bytes
@@ -190,24 +192,56 @@ def pack_weights(model: torch.nn.Module) -> int:
             seen.add(id(p))
             (last if "embed" in name.rsplit(".", 1)[-1] else first).append(p)
     params = first + last
-    if not params:
-        model._zoo_packed_bytes = 0
-        return 0
-    align = 16  # floats: each matrix starts on a cache line
-    sizes = [(p.numel() + align - 1) // align * align for p in params]
-    total = sum(sizes)
-    buf, raw = _huge_buffer(total * 4)
-    arena = raw.view(torch.float32)
-    offset = 0
+    views, buf, nbytes = _arena([p.shape for p in params])
     with torch.no_grad():
-        for p, size in zip(params, sizes):
-            view = arena[offset:offset + p.numel()].view(p.shape)
+        for p, view in zip(params, views):
             view.copy_(p.data)
             p.data = view
-            offset += size
     model._zoo_weight_buffer = buf  # (the tensors keep the mapping alive too)
-    model._zoo_packed_bytes = total * 4
-    return total * 4
+    model._zoo_packed_bytes = nbytes
+    return nbytes
+
+
+def _arena(shapes: list) -> tuple[list[torch.Tensor], object, int]:
+    """Uninitialised float32 views of `shapes`, end to end (each on a 64-byte line) in one huge-page buffer:
+    (views, the buffer, its bytes)."""
+    align = 16  # floats: each matrix starts on a cache line
+    sizes = [(math.prod(s) + align - 1) // align * align for s in shapes]
+    if not sizes:
+        return [], None, 0
+    buf, raw = _huge_buffer(sum(sizes) * 4)
+    arena, views, offset = raw.view(torch.float32), [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(arena[offset:offset + math.prod(shape)].view(shape))
+        offset += size
+    return views, buf, sum(sizes) * 4
+
+
+def packed_allocator(model: torch.nn.Module):
+    """An `allocate` for loader.load(model, ...) that lays the float32 parameters out as pack_weights would
+    (module order of each parameter's owner, embedding tables last), so the loader reads every weight straight
+    into the packed buffer and no second copy is made; the model is marked packed (pack_weights then does
+    nothing). Call mark_packed(model, allocate) after a successful load."""
+    order = {}
+    for name, module in model.named_modules():
+        for leaf in module._parameters:
+            order.setdefault(f"{name}.{leaf}" if name else leaf, ("embed" in name.rsplit(".", 1)[-1], len(order)))
+    held = {}
+
+    def allocate(shapes: dict) -> dict[str, torch.Tensor]:
+        names = [n for n, (_, dtype) in shapes.items() if dtype is torch.float32 and n in order]
+        names.sort(key=order.__getitem__)  # module order, embeddings last
+        views, held["buf"], held["bytes"] = _arena([shapes[n][0] for n in names])
+        return dict(zip(names, views))
+
+    allocate.held = held
+    return allocate
+
+
+def mark_packed(model: torch.nn.Module, allocate) -> None:
+    """After loader.load(model, ..., allocate=packed_allocator(model)): the model's weights are packed."""
+    model._zoo_weight_buffer = allocate.held.get("buf")
+    model._zoo_packed_bytes = allocate.held.get("bytes", 0)
 
 
 def _ptr(t: torch.Tensor | None):
