@@ -155,21 +155,6 @@ class LLM:
             finally:
                 self._owner = None
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate the assistant's reply to each conversation (one, or a list of them) through the chat template;
-        image parts in the messages ({"type": "image", "image": path or PIL image}, vLLM's "image_url" with a path
-        or a data: URL) become the model's image tokens and go with the prompt (zoo.runtime.multimodal)."""
-        from zoo.runtime.multimodal import chat_images
-
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            rendered, images = chat_images(conversation)
-            ids = self.apply_chat_template(rendered)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
-        return self.generate(prompts, params)
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion (continuously batched); outputs in the order of the prompts, each
@@ -196,10 +181,18 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"}) or to each of a
-        list of them, through the model's chat template."""
+        list of them, through the model's chat template. Image parts in a message's content ({"type": "image",
+        "image": a path or PIL image}, vLLM's "image_url" with a path or a data: URL) become the model's image
+        tokens and go with the prompt (zoo.runtime.multimodal.chat_images)."""
+        from zoo.runtime.multimodal import chat_images
+
         one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
-        chats = [messages] if one else list(messages)
-        return self.generate([self.apply_chat_template(list(m)) for m in chats], sampling_params)
+        prompts = []
+        for chat in [messages] if one else list(messages):
+            rendered, images = chat_images(list(chat))
+            ids = self.apply_chat_template(rendered)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
+        return self.generate(prompts, sampling_params)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
