@@ -10,7 +10,7 @@ tokens each, EOS ignored. Rows:
     zoo                          all requests at once (continuous batching, state pool, paged KV)
     transformers, padded batch   one generate on the left-padded batch (its mask zeroes the padded inputs of the
                                  mixers; their states still drift, so tokens may differ from unpadded runs)
-    transformers, one at a time  each prompt alone (exact: the reference the tests hold the zoo to)
+    transformers, one at a time  each prompt alone (exact: the reference the tests hold the zoo to); --serial
 ratio = transformers seconds / zoo seconds (above 1: the zoo is faster), best of `--repeat` after a warm-up,
 each side on the same work in this one process; `same tokens` counts requests whose greedy tokens equal the zoo's.
 """
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--serial", action="store_true", help="also transformers one prompt at a time (slow)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 4 requests, 8 new tokens, 1 repeat")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     new_tokens = args.requests * args.new
     t_zoo, ours = best_of(zoo_run, args.repeat)
     rows = [("zoo", t_zoo, len(ours))]
-    for label, fn in (("transformers, padded batch", hf_padded), ("transformers, one at a time", hf_alone)):
+    refs = [("transformers, padded batch", hf_padded)] + [("transformers, one at a time", hf_alone)] * args.serial
+    for label, fn in refs:
         t, theirs = best_of(fn, args.repeat)
         rows.append((label, t, sum(a == b for a, b in zip(ours, theirs))))
     print(f"{'engine':<30} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")

@@ -157,15 +157,16 @@ class Mamba2Mixer(RecurrentMixer):
             rows = torch.tensor([s.start for s in decode], device=x.device)
             slots = torch.tensor([s.slot for s in decode], device=x.device)
             y[rows], ssm_state[slots] = ssd_step(x[rows], dt[rows], A, B[rows], C[rows], ssm_state[slots])
-        for s in segments:
-            if s.end == s.start or (s.has_state and s.end - s.start == 1):
-                continue
-            r = slice(s.start, s.end)
-            y[r], final = ssd_scan(x[r], dt[r], A, B[r], C[r], chunk_size=self.chunk_size,
-                                   offset=s.computed % self.chunk_size,
-                                   initial_state=ssm_state[s.slot] if s.has_state else None)  # [L, h, p], [h, p, N]
+        prefill = [s for s in segments if s.end > s.start and not (s.has_state and s.end - s.start == 1)]
+        if prefill:  # every other request in one chunked scan
+            zero = x.new_zeros(self.num_heads, self.head_dim, self.state_size)
+            initial = torch.stack([ssm_state[s.slot] if s.has_state else zero for s in prefill])  # [b, h, p, N]
+            spans = [(s.start, s.end - s.start, s.computed % self.chunk_size) for s in prefill]
+            out, final = ssd_scan(x, dt, A, B, C, chunk_size=self.chunk_size, spans=spans,
+                                  initial_states=initial)  # [rows, h, p], [b, h, p, N]
+            y[torch.cat([torch.arange(s.start, s.end) for s in prefill]).to(x.device)] = out
             if ssm_state is not None:
-                ssm_state[s.slot] = final
+                ssm_state[torch.tensor([s.slot for s in prefill], device=x.device)] = final
         y = y + self.D[:, None] * x  # [T, h, p], the D skip
         y = self.norm(y.view(t, inter), gate)  # [T, I]
         return self.out_proj(y.to(hidden_states.dtype))  # [T, H]

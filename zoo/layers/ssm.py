@@ -58,40 +58,49 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *,
-             chunk_size: int, offset: int = 0, initial_state: torch.Tensor | None = None):
-    """The SSD recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t over one request's tokens,
-    computed chunk by chunk (float32 in, float32 out).
+             chunk_size: int, spans: list[tuple[int, int, int]], initial_states: torch.Tensor):
+    """The SSD recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t, chunk by chunk, for b requests
+    at once (float32 in, float32 out).
 
-    x [L, h, p], dt [L, h] (after softplus), A [h], B and C [L, h, N] (one row per head), `offset` = the
-    absolute position of x[0] modulo chunk_size, initial_state [h, p, N] or None (zeros)
-    -> (y [L, h, p] without the D skip, final state [h, p, N]).
+    x [T, h, p], dt [T, h] (after softplus), A [h], B and C [T, h, N] (one row per head): the step's rows;
+    spans: per request (first row, rows, absolute position of its first row modulo chunk_size);
+    initial_states [b, h, p, N] (zeros for a request without one)
+    -> (y [sum of rows, h, p] without the D skip, the spans' rows in order; final states [b, h, p, N]).
+    Each request is laid out in Q chunks of its own, offset so chunks fall at absolute multiples of
+    chunk_size; the padding (in front, and behind up to the longest request) has dt = 0, so it changes nothing.
     """
-    length, heads, head_dim = x.shape
-    back = -(offset + length) % chunk_size
-    pad = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (offset, back))  # noqa: E731  positions padded with 0
-    q = (offset + length + back) // chunk_size
-    xdt = pad(x * dt[..., None]).view(q, chunk_size, heads, head_dim)  # [Q, cs, h, p]
-    a = pad(A * dt).view(q, chunk_size, heads).permute(2, 0, 1)  # [h, Q, cs]
-    B = pad(B).view(q, chunk_size, heads, -1)  # [Q, cs, h, N]
-    C = pad(C).view(q, chunk_size, heads, -1)  # [Q, cs, h, N]
-    a_cum = a.cumsum(-1)  # [h, Q, cs]
+    heads, head_dim = x.shape[1:]
+    b = len(spans)
+    q = max(-(-(offset + length) // chunk_size) for _, length, offset in spans)
+    width = q * chunk_size
+    src = torch.cat([torch.arange(s, s + n) for s, n, _ in spans]).to(x.device)  # rows of the step
+    dst = torch.cat([torch.arange(n) + i * width + o for i, (_, n, o) in enumerate(spans)]).to(x.device)
+
+    def place(t):  # [T, ...] -> [b, Q, cs, ...], zeros outside the spans
+        out = t.new_zeros(b * width, *t.shape[1:])
+        out[dst] = t[src]
+        return out.view(b, q, chunk_size, *t.shape[1:])
+
+    xdt = place(x * dt[..., None])  # [b, Q, cs, h, p]
+    a = place(A * dt).permute(0, 3, 1, 2)  # [b, h, Q, cs]
+    B, C = place(B), place(C)  # [b, Q, cs, h, N]
+    a_cum = a.cumsum(-1)  # [b, h, Q, cs]
 
     # 1. within each chunk: attention-like scores C_l . B_s, decayed from s to l, applied to the inputs
-    decay = torch.exp(segment_sum(a))  # [h, Q, cs(l), cs(s)]
-    scores = torch.einsum("qlhn,qshn->qlsh", C, B) * decay.permute(1, 2, 3, 0)  # [Q, cs, cs, h]
-    y_diag = torch.einsum("qlsh,qshp->qlhp", scores, xdt)  # [Q, cs, h, p]
+    decay = torch.exp(segment_sum(a))  # [b, h, Q, cs(l), cs(s)]
+    scores = torch.einsum("bqlhn,bqshn->bqlsh", C, B) * decay.permute(0, 2, 3, 4, 1)  # [b, Q, cs, cs, h]
+    y_diag = torch.einsum("bqlsh,bqshp->bqlhp", scores, xdt)  # [b, Q, cs, h, p]
     # 2. the state each chunk adds by its end
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [h, Q, cs]
-    added = torch.einsum("qlhn,qlhp->qhpn", B * to_end.permute(1, 2, 0)[..., None], xdt)  # [Q, h, p, N]
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, Q, cs]
+    added = torch.einsum("bqlhn,bqlhp->bqhpn", B * to_end.permute(0, 2, 3, 1)[..., None], xdt)  # [b, Q, h, p, N]
     # 3. the state at each chunk start: the initial state and every earlier chunk's, decayed across chunks
-    start = torch.zeros_like(added[:1]) if initial_state is None else initial_state[None].to(added.dtype)
-    added = torch.cat((start, added))  # [Q+1, h, p, N]
-    across = torch.exp(segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [h, Q+1, Q+1]
-    states = torch.einsum("hcz,zhpn->chpn", across, added)  # [Q+1, h, p, N]
+    added = torch.cat((initial_states[:, None].to(added.dtype), added), dim=1)  # [b, Q+1, h, p, N]
+    across = torch.exp(segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, h, Q+1, Q+1]
+    states = torch.einsum("bhcz,bzhpn->bchpn", across, added)  # [b, Q+1, h, p, N]
     # 4. each chunk's start state read out through C, decayed to each position
-    y_off = torch.einsum("qlhn,qhpn->qlhp", C, states[:-1]) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
-    y = (y_diag + y_off).reshape(-1, heads, head_dim)[offset:offset + length]  # [L, h, p]
-    return y, states[-1]
+    y_off = torch.einsum("bqlhn,bqhpn->bqlhp", C, states[:, :-1]) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag + y_off).reshape(b * width, heads, head_dim)[dst]  # [sum of rows, h, p]
+    return y, states[:, -1]
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
