@@ -102,7 +102,8 @@ class LlamaAttention(nn.Module):
         q, k = self.norm_qk(q, k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k, batch)
-        o = self.attn(q, k, v, batch.cache_for(self.prefix), batch)  # [T, Hq*D]; cache [NB, BS, 2, KV, D]
+        sinks = getattr(self, "sinks", None)  # [Hq]: an attention that owns sinks (gpt-oss) applies them
+        o = self.attn(q, k, v, batch.cache_for(self.prefix), batch, sinks)  # [T, Hq*D]; cache [NB, BS, 2, KV, D]
         return self.o_proj(o)  # [T, H]
 
 

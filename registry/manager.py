@@ -44,6 +44,7 @@ BUILTIN_PLUGINS = (
     "plugins.gpt_neox",
     "plugins.gpt2",
     "plugins.granitemoe",
+    "plugins.gpt_oss",
 )
 ENTRY_POINT_GROUP = "zoo"
 

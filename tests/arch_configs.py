@@ -77,4 +77,12 @@ REAL_CONFIGS = {
         num_attention_heads=16, num_experts_per_tok=8, num_hidden_layers=24, num_key_value_heads=8,
         num_local_experts=32, residual_multiplier=0.22, rms_norm_eps=1e-06, rope_theta=10000,
         tie_word_embeddings=True, vocab_size=49155, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "GptOssForCausalLM": dict(  # openai/gpt-oss-20b
+        model_type="gpt_oss", attention_bias=True, head_dim=64, hidden_act="silu", hidden_size=2880,
+        intermediate_size=2880, layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072, num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24,
+        num_key_value_heads=8, num_local_experts=32, rms_norm_eps=1e-05, rope_theta=150000, sliding_window=128,
+        rope_scaling=dict(rope_type="yarn", beta_fast=32.0, beta_slow=1.0, factor=32.0,
+                          original_max_position_embeddings=4096, truncate=False),
+        swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, eos_token_id=200002, pad_token_id=199999),
 }

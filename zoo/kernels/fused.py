@@ -122,8 +122,8 @@ class FusedDecoder:
                     and type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear
                     and type(mlp.down_proj) is Linear):
                 return f"{layer.prefix}: a projection, the attention core or the MLP is not of the shared kinds"
-            if core.softcap is not None:
-                return f"{attn.prefix}: softcapped attention scores"
+            if core.softcap is not None or hasattr(attn, "sinks"):
+                return f"{attn.prefix}: softcapped attention scores or attention sinks"
             rope = attn.rotary_emb
             if not (type(rope) is RotaryEmbedding and rope.native):
                 return (f"{attn.prefix}: rotary {'none (NoPE)' if rope is None else getattr(rope, 'rope_type', rope)} "

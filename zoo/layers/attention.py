@@ -47,14 +47,15 @@ class Attention(nn.Module):
         return CacheSpec((2, self.num_kv_heads, self.head_dim), dtype, self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                batch: ForwardBatch) -> torch.Tensor:
-        """q [T, H, D], k and v [T, KV, D] -> [T, H * D]."""
+                batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KV, D] -> [T, H * D]. `sinks` [H] (gpt-oss): one more logit per head in every
+        softmax, attending to nothing (it only takes probability away from the context)."""
         if kv_cache is not None:
             if kv_cache.dtype != k.dtype:
                 raise TypeError(f"{self.prefix}: KV cache is {kv_cache.dtype} but keys are {k.dtype}")
         elif batch.seq_lens_cpu:
             self._check_whole_prompts(batch)
-        if kernels.fast(q, k, v) and (kv_cache is None or kv_cache.is_contiguous()):
+        if sinks is None and kernels.fast(q, k, v) and (kv_cache is None or kv_cache.is_contiguous()):
             return kernels.attention(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.sliding_window,
                                      softcap=self.softcap)  # [T, H * D]
         if kv_cache is not None:
@@ -70,7 +71,7 @@ class Attention(nn.Module):
                 ctx_k, ctx_v, first = k[s:e], v[s:e], 0  # [L, KV, D]
             else:
                 ctx_k, ctx_v, first = self._context(kv_cache, batch, i, first, seq_len)
-            out[s:e] = self._attend(q[s:e], ctx_k, ctx_v, first, seq_len)
+            out[s:e] = self._attend(q[s:e], ctx_k, ctx_v, first, seq_len, sinks)
         return out.flatten(1)  # [T, H * D]
 
     def _check_whole_prompts(self, batch: ForwardBatch) -> None:
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         ctx = blocks.flatten(0, 1)[: seq_len - b0 * bs]  # [L, 2, KV, D]
         return ctx[:, 0], ctx[:, 1], b0 * bs
 
-    def _attend(self, q, k, v, first, seq_len):
+    def _attend(self, q, k, v, first, seq_len, sinks=None):
         """q [Tq, H, D] at positions seq_len - Tq ..; k, v [L, KV, D] at positions first .. seq_len - 1."""
         tq, length = q.shape[0], k.shape[0]
         q_pos = torch.arange(seq_len - tq, seq_len, device=q.device)[:, None]  # [Tq, 1]
@@ -96,18 +97,23 @@ class Attention(nn.Module):
         mask = k_pos <= q_pos  # [Tq, L]
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
-        if self.softcap is None:
+        if self.softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, H|KV, Tq|L, D]
                 attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, Tq, D]
             return o[0].transpose(0, 1)  # [Tq, H, D]
-        # softcapped scores are not SDPA's: compute them with q grouped per KV head (no repeated K/V)
+        # softcapped scores, or scores with a sink, are not SDPA's: q grouped per KV head (no repeated K/V)
         g = self.num_heads // self.num_kv_heads
         qg = q.view(tq, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)  # [KV, G, Tq, D]
         scores = (qg.flatten(1, 2) @ k.permute(1, 2, 0)) * self.scale  # [KV, G*Tq, D] @ [KV, D, L] = [KV, G*Tq, L]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.view(self.num_kv_heads, g, tq, length).masked_fill(~mask, float("-inf"))  # [KV, G, Tq, L]
-        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        else:  # head h = kv * G + g has one more logit, sinks[h]; its probability is dropped
+            sink = sinks.view(self.num_kv_heads, g, 1, 1).expand(-1, -1, tq, 1).to(scores.dtype)  # [KV, G, Tq, 1]
+            probs = torch.cat((scores, sink), -1).softmax(-1, dtype=torch.float32)[..., :-1].to(q.dtype)
         o = probs.flatten(1, 2) @ v.transpose(0, 1)  # [KV, G*Tq, L] @ [KV, L, D] = [KV, G*Tq, D]
         return o.view(self.num_kv_heads, g, tq, self.head_dim).permute(2, 0, 1, 3).flatten(1, 2)  # [Tq, H, D]
 

@@ -1,0 +1,99 @@
+"""gpt-oss: Llama with attention sinks (a learned logit per head in every softmax), biased projections,
+sliding / full layers, yarn rope, and a MoE block whose router has a bias and whose experts keep the
+checkpoint's layout: gate_up_proj [E, H, 2I] (gate and up interleaved column by column) and down_proj [E, I, H],
+each with a bias, under a clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
+
+Shape legend: as plugins/llama.py and zoo/layers/moe.py (T tokens, H hidden, E experts, K top-k, I expert size).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from registry import ArchSpec, hookimpl
+
+
+class GptOssAttention(LlamaAttention):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [Hq] diff with Llama: LlamaAttention applies them
+
+
+class GptOssRouter(nn.Module):
+    """logits = x W^T + b [T, E]; the top k logits, softmaxed among themselves, weight the experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+        self.bias = nn.Parameter(torch.empty(num_experts))  # [E]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top, ids = logits.topk(self.top_k, dim=-1)  # [T, K], [T, K]
+        return logits, top.softmax(-1), ids
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))  # [E, H, 2I]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))  # [E, 2I]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # [E, I, H]
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, H]
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)  # the n tokens routed to e, and at which of their k
+            gate_up = x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
+            gate = gate_up[:, ::2].clamp(max=self.limit)  # [n, I]
+            up = gate_up[:, 1::2].clamp(-self.limit, self.limit)  # [n, I]
+            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # [n, I]
+            y = h @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+        self.experts = GptOssExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
+                                     config.swiglu_alpha, config.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, ids = self.router(x)  # [T, K], [T, K]
+        return self.experts(x, ids, weights)  # [T, H]
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    attention_class = GptOssAttention
+
+    def make_mlp(self, config, layer_idx: int, prefix: str):
+        return GptOssMLP(config, prefix)  # diff with Llama: the MoE block
+
+
+class GptOssModel(LlamaModel):
+    layer_class = GptOssDecoderLayer
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    model_class = GptOssModel
+
+
+def validate_gpt_oss(config) -> None:
+    validate(config)
+    if not 0 < config.num_experts_per_tok <= config.num_local_experts:
+        raise ValueError(f"config.num_experts_per_tok={config.num_experts_per_tok} must be in "
+                         f"1..num_local_experts={config.num_local_experts}")
+
+
+@hookimpl
+def register_architectures(register):
+    register(ArchSpec(("GptOssForCausalLM",), "plugins.gpt_oss:GptOssForCausalLM", "moe", rules=LLAMA_RULES,
+                      validate=validate_gpt_oss))
