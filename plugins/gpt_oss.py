@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from plugins.mixtral import validate_moe  # (GptOssConfig.num_experts is num_local_experts)
 from registry import ArchSpec, hookimpl
 
 
@@ -86,14 +87,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
 
 
-def validate_gpt_oss(config) -> None:
-    validate(config)
-    if not 0 < config.num_experts_per_tok <= config.num_local_experts:
-        raise ValueError(f"config.num_experts_per_tok={config.num_experts_per_tok} must be in "
-                         f"1..num_local_experts={config.num_local_experts}")
-
-
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GptOssForCausalLM",), "plugins.gpt_oss:GptOssForCausalLM", "moe", rules=LLAMA_RULES,
-                      validate=validate_gpt_oss))
+                      validate=validate_moe))
