@@ -80,3 +80,18 @@ def test_killed_rank_fails_the_run_naming_it(tmp_path):
     assert time.monotonic() - t0 < 30
     assert len(steps) == 2
     llm.close()
+
+
+def test_zoo_run_tensor_parallel_prints_the_same_reply(tmp_path, capsys):
+    from test_cli_run import save_chat_model, words
+    from zoo.cli import main
+
+    path = save_chat_model(tmp_path / "chat", initializer_range=0.2)
+    argv = ["run", str(path), "--prompt", words(5), "--max-tokens", "8"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main(argv + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one and one.strip()
+    assert main(argv + ["--tensor-parallel-size", "3"]) == 2  # 4 heads do not split over 3 ranks: said, exit 2
+    err = capsys.readouterr().err
+    assert "config.num_attention_heads=4 does not split over tensor parallel size 3" in err and "Traceback" not in err

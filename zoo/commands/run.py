@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
                              "the prompt unless the prompt holds it")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N ranks (spawned here, gloo on the CPU; default 1)")
 
 
 class Progress:
@@ -99,9 +101,23 @@ def run(args) -> int:
                 template = f.read()
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}", 2)
-    llm = _load(args, max_model_len=args.max_model_len)
+    if args.tensor_parallel_size < 1:
+        return _fail(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", 2)
+    llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
     if isinstance(llm, int):
         return llm
+    from zoo.runtime.distributed import TensorParallelError
+
+    try:
+        return _run_loaded(llm, args, params, template)
+    except TensorParallelError as e:  # a rank died or a collective failed mid-generation
+        sys.stdout.write("\n")
+        return _fail(str(e), 1)
+    finally:
+        llm.close()
+
+
+def _run_loaded(llm, args, params, template: str | None) -> int:
     tok = llm.tokenizer
     if tok is None:
         return _fail(f"{llm.files.name} has no tokenizer files; zoo run needs one", 2)
@@ -247,11 +263,14 @@ def _load(args, **engine):
     from zoo.runtime.llm import LLM
     from zoo.runtime.model_files import ConfigError, ModelNotFound
 
+    from zoo.runtime.distributed import TensorParallelError
+
     progress = Progress()
     try:
         progress("starting")
         llm = LLM(args.model, dtype=args.dtype, progress=progress, **engine)
-    except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError) as e:
+    except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
+            TensorParallelError) as e:
         progress.done("failed")
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
     except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)

@@ -110,6 +110,18 @@ def _set_timeout(seconds: float) -> None:
         pass
 
 
+def _check_layout(path, size: int) -> None:
+    from registry import get_registry
+    from zoo.build import tensor_parallel_model
+    from zoo.runtime.model_files import read_config
+
+    config = read_config(str(path), str(path))
+    try:
+        tensor_parallel_model(get_registry().resolve(config), config, size)  # on meta: shapes only
+    except ValueError as e:
+        raise TensorParallelError(f"{path}: {e}") from None
+
+
 class TensorParallelGroup:
     """Rank 0's side: the spawned workers, the group, and rank 0's model."""
 
@@ -120,6 +132,7 @@ class TensorParallelGroup:
             raise RuntimeError("torch.distributed is already initialised in this process: one tensor-parallel LLM "
                                "at a time (close() the other first)")
         self.size = size
+        _check_layout(path, size)  # an architecture or config that cannot split is said before anything spawns
         port = free_port()
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker, args=(r, size, port, str(path), dtype), daemon=True,
