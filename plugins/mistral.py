@@ -4,7 +4,7 @@ Shape legend: as plugins/llama.py (T tokens, H hidden).
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, tensor_parallel, validate
 from registry import ArchSpec, hookimpl
 
 
@@ -25,4 +25,4 @@ class MistralForCausalLM(LlamaForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("MistralForCausalLM",), "plugins.mistral:MistralForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

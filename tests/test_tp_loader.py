@@ -30,6 +30,8 @@ def cases(tmp_path_factory):
     out = {f"llama-kv{kv}": save_tiny("LlamaForCausalLM", root / f"llama-kv{kv}", num_key_value_heads=kv)
            for kv in (1, 2, 4)}
     out["qwen2-bias"] = save_tiny("Qwen2ForCausalLM", root / "qwen2", randomize=True)  # q/k/v biases
+    out["qwen3-qk-norms"] = save_tiny("Qwen3ForCausalLM", root / "qwen3", num_key_value_heads=1, head_dim=16,
+                                      randomize=True)  # per-head q/k norms, shared by the heads: replicated
     out["tied-odd-vocab"] = save_tiny("LlamaForCausalLM", root / "tied", vocab_size=131, tie_word_embeddings=True)
     return out
 
@@ -59,8 +61,9 @@ def _expected(full: dict, config, rank: int, n: int) -> dict[str, torch.Tensor]:
         out[f"{m}.gate_up_proj.weight"] = torch.cat([rows(full[f"{m}.gate_proj.weight"], *i_part),
                                                      rows(full[f"{m}.up_proj.weight"], *i_part)])
         out[f"{m}.down_proj.weight"] = full[f"{m}.down_proj.weight"][:, i_part[0]:i_part[1]]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"model.layers.{i}.{norm}.weight"] = full[f"model.layers.{i}.{norm}.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            if f"model.layers.{i}.{norm}.weight" in full:
+                out[f"model.layers.{i}.{norm}.weight"] = full[f"model.layers.{i}.{norm}.weight"]
     local = -(-vocab // 64) * 64 // n
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         src = full.get(name, full["model.embed_tokens.weight"])
@@ -72,7 +75,8 @@ def _expected(full: dict, config, rank: int, n: int) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-kv1", "llama-kv2", "llama-kv4", "qwen2-bias", "tied-odd-vocab"])
+@pytest.mark.parametrize("name", ["llama-kv1", "llama-kv2", "llama-kv4", "qwen2-bias", "qwen3-qk-norms",
+                                  "tied-odd-vocab"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_rank_loads_exactly_its_slice(cases, name, n):
     path = cases[name]

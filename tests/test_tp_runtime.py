@@ -4,7 +4,8 @@ order of additions); a rank killed mid-generation ends the run within 30 s, nami
 
 Each LLM spawns one interpreter (~10 s on this machine), so the cases are few: Llama with 1 KV head (each rank
 holds a copy of it) and a tied head over an odd vocab (131, padded to 192), 2 KV heads (one per rank), and
-4 KV heads with biases on q/k/v/o (the row-parallel o_proj bias added once).
+4 KV heads with biases on q/k/v/o (the row-parallel o_proj bias added once), and Qwen3 with 1 KV head (its
+per-head q/k norms travel with the heads).
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from zoo.runtime.sampling_params import SamplingParams
 STEPS = 8
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 12, 64, 31, 9], [11, 22, 33, 44, 55]]
 CASES = {
-    "kv1-tied-odd-vocab": dict(num_key_value_heads=1, vocab_size=131, tie_word_embeddings=True),
-    "kv2": dict(num_key_value_heads=2),
-    "kv4-bias": dict(num_key_value_heads=4, attention_bias=True),
+    "kv1-tied-odd-vocab": ("LlamaForCausalLM", dict(num_key_value_heads=1, vocab_size=131, tie_word_embeddings=True)),
+    "kv2": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "kv4-bias": ("LlamaForCausalLM", dict(num_key_value_heads=4, attention_bias=True)),
+    "qwen3-kv1-qk-norms": ("Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=16)),  # k_norm with the KV copy
 }
 
 
@@ -42,7 +44,8 @@ def _reference(path):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_equals_transformers(name, tmp_path):
-    path = save_tiny("LlamaForCausalLM", tmp_path / name, initializer_range=0.2, randomize=True, **CASES[name])
+    arch, overrides = CASES[name]
+    path = save_tiny(arch, tmp_path / name, initializer_range=0.2, randomize=True, **overrides)
     expected = _reference(path)
     llm = LLM(str(path), tensor_parallel_size=2, num_blocks=32, block_size=4)
     try:
