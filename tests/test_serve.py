@@ -105,6 +105,16 @@ def test_completions_and_chat_streamed_or_not_equal_llm_generate(client, offline
     assert [m.id for m in client.models.list().data] == [NAME]
 
 
+def test_logit_bias_and_vllm_fields(client):
+    got = client.completions.create(model=NAME, prompt=words(3), logit_bias={"20": 100}, **GREEDY)
+    assert got.choices[0].text.split() == ["w12"] * 8  # token 20 is "w12"
+    got = client.completions.create(model=NAME, prompt=words(3), temperature=1.0, seed=1, max_tokens=10,
+                                    extra_body={"allowed_token_ids": [30, 31], "ignore_eos": True})
+    assert set(got.choices[0].text.split()) <= {"w22", "w23"}
+    got = client.completions.create(model=NAME, prompt=words(3), n=3, temperature=1.0, seed=1, max_tokens=4)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2]
+
+
 def test_64_concurrent_streams_get_every_token_and_the_offline_greedy_text(server, offline):
     prompts = [words(3 + i % 7, 5 * i) for i in range(64)]
     want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -159,7 +169,10 @@ def test_a_client_that_disconnects_frees_its_blocks(client, server):
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n"),
     (dict(extra_body={"stop_token_ids": [10 ** 6]}), "stop_token_ids"),
-    (dict(extra_body={"logit_bias": {"5": 1}}), "logit_bias"),
+    (dict(logit_bias={"5": "much"}), "logit_bias"),
+    (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(extra_body={"echo": True}), "echo"),
+    (dict(extra_body={"allowed_token_ids": [10 ** 6]}), "allowed_token_ids"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:

@@ -79,3 +79,26 @@ def test_chat_takes_one_conversation_or_several(llm):
     assert one.prompt_token_ids == llm.apply_chat_template(conv)
     two = llm.chat([conv, [{"role": "user", "content": words(2)}]], greedy)
     assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
+
+
+def test_logit_bias_allowed_token_ids_and_include_stop_str(llm):
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate(words(3), SamplingParams(logit_bias={20: 100.0}, **greedy))
+    assert out.token_ids == [20] * 6  # the bias outweighs every logit
+    allowed = [30, 31, 32]
+    (out,) = llm.generate(words(3), SamplingParams(allowed_token_ids=allowed, temperature=1.0, seed=3,
+                                                   max_tokens=20, ignore_eos=True))
+    assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 20
+    free = llm.generate(words(3), SamplingParams(**greedy))[0].text
+    stop = free.split()[2]
+    cut, kept = llm.generate([words(3)] * 2, [SamplingParams(stop=[stop], **greedy), SamplingParams(
+        stop=[stop], include_stop_str_in_output=True, **greedy)])
+    assert cut.text == free[:free.index(stop)] and kept.text == free[:free.index(stop) + len(stop)]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    for bad, field in [(dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
+                       (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                       (dict(include_stop_str_in_output=1), "include_stop_str_in_output")]:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="allowed_token_ids.*outside the vocabulary"):
+        llm.generate(words(3), SamplingParams(allowed_token_ids=[999]))

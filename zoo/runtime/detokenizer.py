@@ -29,7 +29,7 @@ def _backend_decode(tokenizer):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, stop: list[str] = (),
-                 skip_special_tokens: bool = True, min_tokens: int = 0):
+                 skip_special_tokens: bool = True, min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
@@ -37,6 +37,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.include_stop = include_stop  # the stop string stays at the end of the text
         self.text = ""  # all stable text (cut before a stop string once one is found)
         self.emitted = 0  # characters of self.text released to the caller
         self.stop_string: str | None = None
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
-            self.text = self.text[:best[0]]
+            self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
             self.stop_string = best[1]
 
     def _release(self, final: bool) -> str:

@@ -197,7 +197,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
-                min_tokens=params.min_tokens)
+                min_tokens=params.min_tokens, include_stop=params.include_stop_str_in_output)
         return request_id
 
     def abort_request(self, request_id: str) -> None:

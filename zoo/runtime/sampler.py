@@ -1,4 +1,5 @@
-"""The sampler: penalties, temperature, top-k, top-p, min-p, then one token per row; logprobs.
+"""The sampler: allowed tokens and logit bias, penalties, temperature, top-k, top-p, min-p, then one token per
+row; logprobs.
 
 Shape legend:  N = rows sampled this step (one per request that samples)   V = vocabulary
                L = longest token history among the N requests
@@ -41,6 +42,20 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     if bool((pres != 0).any() or (freq != 0).any()):
         counts = _token_counts([r.output_token_ids for r in reqs], v, device)  # [N, V]
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, params) -> torch.Tensor:
+    """allowed_token_ids: every other token to -inf; logit_bias: added to its tokens' logits (vLLM's order)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # [V]
+            keep[p.allowed_token_ids] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
+        if p.logit_bias is not None:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
     return logits
 
 
@@ -92,6 +107,8 @@ class Sampler:
             logits = logits.clone()
             for i in early:
                 logits[i, sorted(reqs[i].stop_token_ids)] = float("-inf")
+        if any(p.restricts_logits for p in params):
+            logits = apply_bias_and_allowed(logits, params)
         if any(p.uses_penalties for p in params):
             logits = apply_penalties(logits, reqs)
         if all(p.greedy for p in params):

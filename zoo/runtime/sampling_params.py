@@ -32,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0 = only the sampled token's)
     skip_special_tokens: bool = True
     n: int = 1  # samples per prompt (LLM.generate: n requests sharing the prompt's blocks; a seed: seed + i each)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (before penalties and warpers)
+    allowed_token_ids: list[int] | None = None  # only these tokens can be drawn
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,7 +54,18 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, low=-(1 << 63), high=(1 << 64) - 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             setattr(self, name, _real(name, getattr(self, name)))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r}: must be a dict of token id -> bias")
+            self.logit_bias = {_integer("logit_bias", k, low=0): _real("logit_bias", v)
+                               for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = [_integer("allowed_token_ids", t, low=0) for t in _as_list("allowed_token_ids",
+                                                                             self.allowed_token_ids)]
+            if not ids:
+                raise ValueError("SamplingParams.allowed_token_ids=[]: must name at least one token")
+            self.allowed_token_ids = ids
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be True or False")
         checks = [
@@ -68,16 +82,22 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids and logprob counts a model with `vocab_size` logits cannot serve (at add_request)."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: {bad[0]} is outside the "
-                             f"vocabulary of {vocab_size} tokens")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(self, name) or ()
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name}={ids!r}: {bad[0]} is outside the vocabulary of "
+                                 f"{vocab_size} tokens")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"SamplingParams.logprobs={self.logprobs}: more than the vocabulary's {vocab_size} tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def restricts_logits(self) -> bool:
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def uses_penalties(self) -> bool:

@@ -9,7 +9,7 @@ A bad request is a 400 whose OpenAI-style body names the field (`param`), with S
 a client that goes away has its requests aborted and their KV blocks freed.
 
 Sampling fields beyond OpenAI's, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens. `n` samples are n engine requests with the same prompt
+ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, allowed_token_ids. `n` samples are n engine requests with the same prompt
 (the prefix cache shares its blocks); with a seed, sample j gets seed + j.
 """
 
@@ -27,9 +27,9 @@ from zoo.runtime.sampling_params import SamplingParams
 # body field -> SamplingParams field (the same name unless listed)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "skip_special_tokens")
+                   "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids")
 UNSUPPORTED = {  # field -> the value that is fine to send (anything else is refused, naming the field)
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
 }
 MAX_N = 16
@@ -90,6 +90,11 @@ class OpenAIServer:
         if max_tokens is None:  # OpenAI's chat default: as many as the context leaves
             max_tokens = max(1, self.engine.max_model_len - prompt_len)
         kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+        bias = body.get("logit_bias")
+        if bias:  # OpenAI sends the token ids as strings
+            if not isinstance(bias, dict) or not all(isinstance(k, str) and k.strip().isdigit() for k in bias):
+                raise bad("logit_bias must map token ids (as strings) to biases", "logit_bias")
+            kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
         if "temperature" not in kwargs:
             kwargs["temperature"] = 1.0
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
