@@ -150,9 +150,12 @@ class Registry:
                 return self.get(arch)
         model_type = str(cfg.get("model_type") or "")
         if not archs and model_type:
+            # a text config of a multimodal family (Gemma3's GGUF: gemma3_text) names the family's text model
+            wanted_type = model_type.removesuffix("_text").replace("_", "").lower()
             for arch, spec in self.specs.items():
-                base = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
-                if base.lower() == model_type.replace("_", "").lower():
+                base = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration").removesuffix(
+                    "LMHeadModel")
+                if base.lower() == wanted_type:
                     return spec
         wanted = archs or [f"model_type={model_type!r}" if model_type else "(config names no architecture)"]
         raise UnsupportedArchitecture(self._unsupported_message(wanted), dict(self.failures))

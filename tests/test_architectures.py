@@ -165,3 +165,14 @@ def test_run_and_inspect_say_which_path_a_step_takes(tmp_path, capsys):
         "GraniteForCausalLM"]
     assert said["inspect GraniteForCausalLM"] == f"step: the module path: the fused step does not apply: {why} " \
                                                  f"(the driver reproduces plugins.llama's)"
+
+
+def test_configs_without_architectures_resolve_through_model_type():
+    """GGUF configs carry no `architectures`: the model_type finds the plugin (Gemma3's GGUF says gemma3_text)."""
+    from registry import get_registry
+
+    reg = get_registry()
+    for model_type, arch in [("gemma3_text", "Gemma3ForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+                             ("gpt_neox", "GPTNeoXForCausalLM"), ("gpt_oss", "GptOssForCausalLM"),
+                             ("granitemoe", "GraniteMoeForCausalLM"), ("smollm3", "SmolLM3ForCausalLM")]:
+        assert reg.resolve({"model_type": model_type}).architectures == (arch,), model_type
