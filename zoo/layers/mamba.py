@@ -10,6 +10,8 @@ Mamba2 / SSD (Mamba2, Bamba):
     in_proj [T, H] -> gate [T, I], xBC [T, C], dt [T, h]
     xBC -> causal depthwise conv (+ bias) -> SiLU -> x [T, h, p], B [T, g, N], C [T, g, N]
     dt -> softplus(dt + dt_bias) clamped to time_step_limit;  A = -exp(A_log) [h], one scalar per head
+          (clamped on every path, decode included, so chunked = one-shot; transformers' one-token update skips
+          the clamp, which changes nothing at the default limit (0, inf) every published config uses)
     scan (chunks of chunk_size at absolute positions) -> y [T, h, p];  y += D x
     y -> gated group RMSNorm with gate -> out_proj [T, H]
 Mamba1 (Jamba):
