@@ -120,11 +120,12 @@ class _Reader:
         return None
 
 
-def check_header(path: Path, name: str | None = None) -> None:
+def check_header(path: Path, name: str | None = None) -> int:
     """Refuse (SourceError naming the file and the key) a GGUF file whose header is malformed or lies: bad
     magic, an unsupported version, counts, strings or arrays larger than the file, unknown value or tensor
     types, more than 4 dims, duplicate keys or tensor names, tensor data outside the file or overlapping.
-    Reads only the header pages; allocates nothing in proportion to what the header claims."""
+    Reads only the header pages; allocates nothing in proportion to what the header claims. Returns the
+    header's length in bytes (metadata and tensor table, before the aligned tensor data)."""
     name = name or Path(path).name
     fd = _open_regular(Path(path), name)
     try:
@@ -132,7 +133,9 @@ def check_header(path: Path, name: str | None = None) -> None:
         if size < 24:
             raise SourceError([], f"{name}: not a GGUF file ({size} bytes, shorter than a GGUF header)")
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as buf:
-            _check(_Reader(buf, name), size)
+            r = _Reader(buf, name)
+            _check(r, size)
+            return r.pos
     finally:
         os.close(fd)
 

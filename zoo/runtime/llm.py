@@ -49,7 +49,7 @@ class LLM:
         t0 = time.perf_counter()
         self.files = resolve_model(model)
         say(f"reading config and tokenizer of {self.files.name}")
-        config = load_config(self.files)
+        config = load_config(self.files, light=True)  # (a GGUF's cached config: no transformers config import)
         self.tokenizer = load_tokenizer(self.files)
         say(f"loading weights of {self.files.name}")
         self.tp_group = None

@@ -5,7 +5,12 @@ hub id resolved through the huggingface_hub cache (HF_HUB_OFFLINE honoured).
 
 A GGUF file carries its config and tokenizer as metadata; transformers converts them in a few seconds
 (it parses the whole vocabulary), so the converted files are kept in zoo.paths.cache_dir('gguf')/<key>/
-(key: the file's path, size and mtime, and the transformers version) and read back from there.
+(key: the file's path, size, mtime and a hash of its header, and the transformers version) with a manifest
+(zoo-cache.json: the key, the full config, each file's sha256). The cache is local state that anything may
+have written: an entry is used only when its manifest parses, names this key and every file's hash
+matches; otherwise it is converted again (never trusted, never unpickled). A start with a valid entry reads
+the config from the manifest without transformers' config classes (load_config(light=True): their import
+pulls in torch.distributed, seconds) and the tokenizer with its own class (not AutoTokenizer's config walk).
 
 The files are untrusted: the ones transformers reads from a directory (config, tokenizer) must be regular files
 inside it, a GGUF header is checked by the loader before transformers parses it, and a config is validated
@@ -52,6 +57,7 @@ class ModelFiles:
     directory: Path  # config.json / tokenizer files (for GGUF: the converted cache, or the file's folder)
     gguf_file: str | None  # the .gguf file name, when the model is one
     model_id: str  # a name to show, and the prefix-cache namespace
+    header_bytes: int = 0  # a GGUF's header length (checked by the loader; hashed into the cache key)
 
     @property
     def is_gguf(self) -> bool:
@@ -106,9 +112,9 @@ def _check_side_files(directory: Path) -> None:
 def _gguf(path: Path) -> ModelFiles:
     from loader.gguf import check_header
 
-    check_header(path)  # before transformers parses its metadata into a config and a tokenizer (SourceError)
+    header = check_header(path)  # before transformers parses its metadata into a config and a tokenizer
     path = path.resolve()
-    return ModelFiles(path, path.parent, path.name, str(path))
+    return ModelFiles(path, path.parent, path.name, str(path), header)
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -128,15 +134,73 @@ def _from_hub(repo_id: str) -> Path:
 
 
 # -- config, generation config, tokenizer --------------------------------------------------------------
-def _gguf_cache(files: ModelFiles) -> Path | None:
-    """The directory with this GGUF's converted config + tokenizer, converting on first use."""
-    import transformers
+CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+MANIFEST = "zoo-cache.json"
+FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # classes loadable without AutoTokenizer
+
+
+def _gguf_key(files: ModelFiles) -> str:
+    """The cache key of a GGUF file: its path, size, mtime, a hash of its header, and the transformers version
+    that converts it (read from the package metadata: importing transformers costs a second)."""
+    import importlib.metadata
 
     st = files.path.stat()
-    key = hashlib.sha256(f"{files.path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
-    out = paths.cache_dir("gguf") / key.hexdigest()[:24]
-    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
-        return out
+    key = hashlib.sha256(f"{CACHE_FORMAT}|{files.path}|{st.st_size}|{st.st_mtime_ns}|"
+                         f"{importlib.metadata.version('transformers')}|".encode())
+    with open(files.path, "rb") as f:
+        key.update(f.read(files.header_bytes or 1 << 20))
+    return key.hexdigest()
+
+
+def _sha256(f: Path) -> str:
+    return hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def _cached_entry(out: Path, key: str) -> dict | None:
+    """The manifest of the cache entry `out` when it is whole and written for `key`, else None (anything
+    malformed, missing, or a file whose hash differs: the entry is converted again)."""
+    import json
+
+    from loader.problems import SourceError
+    from loader.sources import check_file
+
+    try:
+        if not (out / MANIFEST).is_file():
+            return None
+        check_file(out / MANIFEST, out)
+        manifest = json.loads((out / MANIFEST).read_bytes())
+        files = manifest["files"]
+        if not (manifest.get("format") == CACHE_FORMAT and manifest.get("key") == key and isinstance(files, dict)
+                and isinstance(manifest.get("config"), dict) and "config.json" in files
+                and set(os.listdir(out)) == set(files) | {MANIFEST}):  # (nothing else that transformers might read)
+            return None
+        for name, digest in files.items():
+            if not plain_cache_name(name):
+                return None
+            check_file(out / name, out)  # a regular file inside the entry (a FIFO would hang the hash)
+            if _sha256(out / name) != digest:
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, SourceError):
+        return None
+    return manifest
+
+
+def plain_cache_name(name) -> bool:
+    return isinstance(name, str) and name in SIDE_FILES
+
+
+def _gguf_cache(files: ModelFiles) -> tuple[Path, dict] | None:
+    """(directory, manifest) of this GGUF's converted config + tokenizer, converting on first use (and when
+    the entry is invalid); None when the cache cannot be written."""
+    import json
+
+    key = _gguf_key(files)
+    out = paths.cache_dir("gguf") / key[:24]
+    manifest = _cached_entry(out, key)
+    if manifest is not None:
+        return out, manifest
+    import transformers
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
@@ -144,30 +208,74 @@ def _gguf_cache(files: ModelFiles) -> Path | None:
         return None  # read-only cache: convert every time
     try:
         kw = dict(gguf_file=files.gguf_file)
-        transformers.AutoConfig.from_pretrained(files.directory, **kw).save_pretrained(tmp)
+        config = transformers.AutoConfig.from_pretrained(files.directory, **kw)
+        config.save_pretrained(tmp)
         transformers.AutoTokenizer.from_pretrained(files.directory, **kw).save_pretrained(tmp)
+        manifest = {"format": CACHE_FORMAT, "key": key, "source": str(files.path), "config": config.to_dict(),
+                    "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if plain_cache_name(f.name)}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if out.exists():  # an invalid entry (stale, corrupted, half-written by an old version): replaced
+        shutil.rmtree(out, ignore_errors=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        manifest = _cached_entry(out, key)
+        if manifest is None:
+            return None
+    return out, manifest
+
+
+class CachedConfig:
+    """A GGUF's config read back from the cache manifest: the attributes of the transformers config it was
+    converted to (its full to_dict()), without importing transformers' config classes. Read-only use:
+    attribute access, to_dict(), get_text_config() (a text model: itself)."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+        self._version = self.__dict__.pop("transformers_version", None)  # to_dict's; the attribute is None there
+        self.transformers_version = None
+
+    @property
+    def rope_scaling(self):  # transformers' alias of rope_parameters
+        return self.__dict__.get("rope_parameters")
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("_version", "transformers_version")}
+        return out if self._version is None else {**out, "transformers_version": self._version}
+
+    def get_text_config(self, *args, **kwargs):
+        return self
+
+    def __repr__(self) -> str:
+        return f"CachedConfig({self.__dict__.get('model_type')!r}, {len(self.__dict__)} fields)"
 
 
 def _source_dir(files: ModelFiles) -> tuple[Path, dict]:
     if files.is_gguf:
         cached = _gguf_cache(files)
         if cached is not None:
-            return cached, {}
+            return cached[0], {}
         return files.directory, {"gguf_file": files.gguf_file}
     return files.directory, {}
 
 
-def load_config(files: ModelFiles):
+def load_config(files: ModelFiles, *, light: bool = False):
+    """The model's config (validated). light=True: for a GGUF whose cache entry is valid, a CachedConfig from
+    the manifest (no transformers import); otherwise, and by default, the transformers config."""
     try:
+        if light and files.is_gguf:
+            cached = _gguf_cache(files)
+            config = cached[1]["config"] if cached is not None else None
+            if isinstance(config, dict) and isinstance(config.get("model_type"), str) and "text_config" not in config:
+                validate_config(config, files.name)
+                return CachedConfig(config)
         directory, kw = _source_dir(files)
+    except ConfigError:
+        raise
     except Exception as e:  # transformers converting a GGUF's metadata
         raise ConfigError(f"{files.name}: the config cannot be read from the GGUF metadata: {first_line(e)}") from None
     return read_config(directory, files.name, **kw)
@@ -285,9 +393,13 @@ def _short(v) -> str:
 
 def load_tokenizer(files: ModelFiles):
     """The transformers tokenizer of the model, or None when the directory has none."""
+    directory, kw = _source_dir(files)
+    if files.is_gguf and not kw:  # the converted cache (valid: its hashes matched): its own class, directly
+        tok = _cached_tokenizer(directory)
+        if tok is not None:
+            return tok
     from transformers import AutoTokenizer
 
-    directory, kw = _source_dir(files)
     if not kw and not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model", "vocab.json")):
         return None
@@ -295,6 +407,25 @@ def load_tokenizer(files: ModelFiles):
         return AutoTokenizer.from_pretrained(directory, **kw)
     except Exception as e:  # a malformed tokenizer file is a usage error, one line
         raise ConfigError(f"{files.name}: the tokenizer cannot be read: {first_line(e)}") from None
+
+
+def _cached_tokenizer(directory: Path):
+    """The tokenizer of a GGUF cache entry by the class its tokenizer_config.json names, when that is the
+    tokenizers-backed class (what AutoTokenizer would pick, without its config lookup); else None."""
+    import json
+
+    try:
+        name = json.loads((directory / "tokenizer_config.json").read_bytes()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if name not in FAST_TOKENIZERS or not (directory / "tokenizer.json").is_file():
+        return None
+    import transformers
+
+    try:
+        return getattr(transformers, name).from_pretrained(directory)
+    except Exception:  # (AutoTokenizer, next, names what is wrong)
+        return None
 
 
 def load_generation_config(files: ModelFiles):
