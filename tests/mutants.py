@@ -26,6 +26,7 @@ from plugins.mixtral import MIXTRAL_RULES, MixtralDecoderLayer, MixtralForCausal
 from registry import ArchSpec, get_registry, hookimpl
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import TopKRouter
+from zoo.layers.norm import RMSNorm, _rms
 from zoo.runtime.batch import ForwardBatch
 
 BUG_LAYER = 1
@@ -143,6 +144,19 @@ class AttentionScaleLayer(LlamaDecoderLayer):
         super().__init__(config, layer_idx, prefix=prefix)
         if layer_idx == BUG_LAYER:
             self.self_attn.attn.scale *= 2 ** 0.5  # the bug
+
+
+# -- a norm whose weight is never applied: invisible while norm weights are transformers' initial ones (class 6) --
+class WeightlessRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.eps).to(x.dtype)  # the bug: no `self.weight *`
+
+
+class NormWeightIgnoredLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.post_attention_layernorm.__class__ = WeightlessRMSNorm
 
 
 # -- the attention residual scaled by 1 + RESIDUAL_SLIP: a small error the MLP then amplifies (class 8) -------------
@@ -281,6 +295,7 @@ DecodeRaises = _llama(DecodeRaisesLayer)
 NormEpsSlight = _llama(NormEpsSlightLayer)
 AttentionScale = _llama(AttentionScaleLayer)
 ResidualScaled = _llama(ResidualScaledLayer)
+NormWeightIgnored = _llama(NormWeightIgnoredLayer)
 FeedForward = _llama(FeedForwardLayer)
 FeedForward.parity_taps = {"model.layers.{i}.feed_forward": "model.layers.{i}.mlp"}
 MoeNoRenorm = _mixtral(_router_layer(NoRenormRouter))
@@ -311,6 +326,7 @@ BLIND_SPOT_MUTANTS = {
     "norm_eps_slight": ("LlamaForCausalLM", "NormEpsSlight"),
     "attention_scale": ("LlamaForCausalLM", "AttentionScale"),
     "residual_scaled": ("LlamaForCausalLM", "ResidualScaled"),
+    "norm_weight_ignored": ("LlamaForCausalLM", "NormWeightIgnored"),
 }
 FAMILY = {"MixtralForCausalLM": "moe"}
 RULES_OF = {"MixtralForCausalLM": MIXTRAL_RULES}

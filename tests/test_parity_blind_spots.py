@@ -214,3 +214,22 @@ def test_blame_goes_to_the_tap_that_adds_the_error(llama):
     assert s.localization.hints[0].startswith(f"L{BUG_LAYER} at position") and "residual adds" in s.localization.hints[0]
     assert s.localization.hints[1].startswith(f"L{BUG_LAYER}.mlp is the first tap over tolerance but only by what it "
                                               f"inherits"), s.localization.hints
+
+
+# -- 6. tiny checkpoints with transformers' initial constants ----------------------------------------------
+def test_tiny_checkpoints_randomise_norm_weights_so_an_ignored_weight_shows(tmp_path):
+    """A norm that never applies its weight passes on a checkpoint whose norm weights are transformers' initial
+    ones (all 1); `--tiny` (save_tiny_checkpoint) randomises them, and the bug is found in its layer."""
+    from parity.tiny import save_tiny_checkpoint
+
+    plain = save_tiny("LlamaForCausalLM", tmp_path / "plain", initializer_range=0.2)
+    with planted("norm_weight_ignored"):
+        assert run_parity(plain, scenarios=("prefill",)).passed  # the blind spot, as it was
+    plain_config = tmp_path / "plain" / "config.json"
+    tiny = save_tiny_checkpoint(plain_config, tmp_path / "tiny")
+    assert run_parity(tiny, scenarios=("prefill",)).passed  # unmutated: no false positive
+    with planted("norm_weight_ignored"):
+        s = run_parity(tiny, scenarios=("prefill",)).scenarios["prefill"]
+    assert not s.passed
+    assert (s.first_divergence["tap"], s.first_divergence["position"]) == (f"{L}.post_attention_layernorm", 0), \
+        s.first_divergence
