@@ -236,6 +236,8 @@ class CachedConfig:
 
     def __init__(self, values: dict):
         self.__dict__.update(values)
+        if isinstance(values.get("id2label"), dict):  # JSON made its int keys strings; transformers' are ints
+            self.id2label = {int(k) if str(k).lstrip("-").isdigit() else k: v for k, v in values["id2label"].items()}
         self._version = self.__dict__.pop("transformers_version", None)  # to_dict's; the attribute is None there
         self.transformers_version = None
 
