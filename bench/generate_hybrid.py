@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_moe import best_of  # noqa: E402  (the best of `repeat` runs after a warm-up)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -45,16 +47,6 @@ def checkpoint(args) -> Path:
     print(f"building {path.name} ...", file=sys.stderr)
     transformers.BambaForCausalLM(config).eval().save_pretrained(path)
     return path
-
-
-def best_of(fn, repeat: int) -> tuple[float, object]:
-    fn()  # warm-up
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def main(argv=None) -> int:
