@@ -6,7 +6,7 @@ accounted for, and all problems are reported together. Imports nothing else of t
         model = MyModel(config)
     report = load(model, "path/or/org-name", rules, dtype=torch.bfloat16, device="cuda")
 """
-from loader.load import LoadReport, load
+from loader.load import LoadReport, load, materialize, on_meta
 from loader.mapping import Region
 from loader.plan import Entry, Plan, RankPlans, TieDecision, lossy, plan, plan_ranks
 from loader.problems import LoadError, Problem, SourceError
@@ -16,4 +16,4 @@ from loader.sources import Source, TensorInfo, open_source
 
 __all__ = ["Entry", "Fuse", "Ignore", "LoadError", "LoadReport", "Parallel", "Plan", "Problem", "RankPlans", "Region",
            "Rename", "Rules", "Shard", "Source", "SourceError", "Stack", "Tie", "TieDecision", "TensorInfo", "Transform",
-           "load", "lossy", "open_source", "plan", "plan_ranks"]
+           "load", "lossy", "materialize", "on_meta", "open_source", "plan", "plan_ranks"]

@@ -36,6 +36,9 @@ class LoadReport:
     provenance: dict[str, list[tuple[str, str, Region]]] = field(default_factory=dict)  # param -> (key, file, region)
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (key, file, reason)
     ties: list[TieDecision] = field(default_factory=list)
+    # parameters and buffers the load left on the meta device: non-persistent buffers no checkpoint holds
+    # (transformers' rotary inv_freq), derived from the config; materialize() computes them
+    on_meta: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         s = "" if self.tp is None or self.tp.size == 1 else f"rank {self.tp.rank} of {self.tp.size}: "
@@ -43,6 +46,8 @@ class LoadReport:
              f"in {self.seconds:.2f} s from {self.source}")
         if self.ignored:
             s += f"; {len(self.ignored)} ignored"
+        if self.on_meta:
+            s += f"; left on meta (materialize() them): {', '.join(self.on_meta)}"
         return "\n".join([s] + [f"  {t}" for t in self.ties])
 
 
@@ -108,8 +113,70 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     if problems:
         raise LoadError(problems, f"{_count(problems)} in {source.directory} (nothing was loaded)")
     _swap_in(module, p, storage, device)
+    report.on_meta = on_meta(module)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def on_meta(module: torch.nn.Module) -> list[str]:
+    """Names of the parameters and buffers of `module` that are on the meta device."""
+    return [name for name, t in [*module.named_parameters(remove_duplicate=False),
+                                 *module.named_buffers(remove_duplicate=False)] if t.is_meta]
+
+
+def materialize(module: torch.nn.Module, *, device="cpu", init: Callable[[torch.nn.Module], None] | None = None
+                ) -> list[str]:
+    """Compute the buffers a load left on the meta device (LoadReport.on_meta): the derived ones, such as the
+    rotary embedding's inv_freq that transformers' modules register as non-persistent and compute from the config.
+    Returns their names; parameters still on meta (weights no checkpoint filled) are a ValueError naming them.
+
+    For each submodule holding meta buffers: without `init`, a fresh copy of the submodule is built on `device`
+    with its own constructor from its `config` attribute (transformers' rotary modules take the config) and its
+    buffers are taken; with `init`, the buffers are allocated on `device` and `init(submodule)` fills them in
+    place (for transformers: `init=model._init_weights`, its own rope initialisation). A submodule without a
+    `config` and no `init` is a ValueError naming its buffers.
+
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        report = load(model, path)           # report.on_meta: ['model.rotary_emb.inv_freq', ...]
+        materialize(model)                   # model(ids) now runs
+    """
+    device = torch.device(device)
+    weights = [n for n, t in module.named_parameters(remove_duplicate=False) if t.is_meta]
+    if weights:
+        raise ValueError(f"materialize: {len(weights)} parameters are on the meta device ({', '.join(weights[:4])}"
+                         f"{', ...' if len(weights) > 4 else ''}): weights come from a checkpoint (load()), "
+                         f"not from materialize()")
+    done = []
+    for mod_name, mod in module.named_modules():
+        leaves = [leaf for leaf, b in mod._buffers.items() if b is not None and b.is_meta]
+        if not leaves:
+            continue
+        names = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in leaves]
+        if init is not None:
+            for leaf in leaves:
+                mod._buffers[leaf] = torch.empty(mod._buffers[leaf].shape, dtype=mod._buffers[leaf].dtype,
+                                                 device=device)
+            init(mod)
+        else:
+            config = getattr(mod, "config", None)
+            if config is None:
+                raise ValueError(f"materialize: {', '.join(names)} on the meta device, and {type(mod).__name__} has no "
+                                 f"`config` to rebuild it from: pass init= (a function that fills its buffers)")
+            with torch.device(device):
+                fresh = type(mod)(config)
+            for leaf, name in zip(leaves, names):
+                new = fresh._buffers.get(leaf)
+                old = mod._buffers[leaf]
+                if new is None or new.is_meta or new.shape != old.shape:
+                    raise ValueError(f"materialize: {type(mod).__name__}({type(config).__name__}) built anew has "
+                                     f"no {leaf} of shape {list(old.shape)} for {name}: pass init=")
+                mod._buffers[leaf] = new.to(device=device, dtype=old.dtype)
+        left = [n for leaf, n in zip(leaves, names) if mod._buffers[leaf].is_meta]
+        if left:
+            raise ValueError(f"materialize: init({type(mod).__name__}) left {', '.join(left)} on the meta device")
+        done += names
+    return done
 
 
 def _given(allocate, shapes: dict, device: torch.device) -> dict[str, torch.Tensor]:

@@ -73,9 +73,10 @@ class Mapped:
 
 
 class Mapper:
-    def __init__(self, rules: Rules, params: dict[str, ParamInfo]):
+    def __init__(self, rules: Rules, params: dict[str, ParamInfo], key_shapes: dict[str, tuple] | None = None):
         self.rules = rules
         self.params = params
+        self.key_shapes = key_shapes or {}  # checkpoint key -> shape (the headers'): a fused parameter's shard sizes
         self._ignores = [(re.compile(i.pattern), i.reason) for i in rules.ignores]
         self._transforms = [(re.compile(t.pattern), t) for t in rules.transforms]
 
@@ -138,13 +139,14 @@ class Mapper:
         return Mapped("param", pname, Region(expert, fuse.dim, start, start + sizes[shard]))
 
     def fuse_sizes(self, pname: str, fuse: Fuse, *, stacked: bool) -> tuple[int, ...]:
-        """Shard sizes along the fused dim: Fuse.sizes, else the parameter's shard_sizes, else equal."""
+        """Shard sizes along the fused dim: Fuse.sizes, else the parameter's shard_sizes, else the checkpoint's own
+        shapes when they add up (_held_sizes), else equal."""
         p = self.params[pname]
         d = fuse.dim + stacked
         if d >= len(p.shape):
             raise ValueError(f"{pname} has shape {list(p.shape)}, no dim {d} to fuse {'/'.join(fuse.parts)} along")
         total = p.shape[d]
-        sizes = fuse.sizes or p.shard_sizes
+        sizes = fuse.sizes or p.shard_sizes or self._held_sizes(pname, fuse, d - stacked, stacked, total)
         if sizes is None:
             if total % len(fuse.parts):
                 raise ValueError(f"{pname}: dim {d} of size {total} does not split equally into "
@@ -155,6 +157,31 @@ class Mapper:
             raise ValueError(f"{pname}: shard sizes {list(sizes)} for {'/'.join(fuse.parts)} do not add up to "
                              f"dim {d} of size {total}")
         return sizes
+
+    def _held_sizes(self, pname: str, fuse: Fuse, dim: int, stacked: bool, total: int) -> tuple[int, ...] | None:
+        """The shard sizes the checkpoint's own shapes give (a grouped-query q/k/v: [Hq*D, Hkv*D, Hkv*D]), when
+        it holds every part of `pname` (expert 0's, for a stacked one) and their extents along `dim` add up to
+        the parameter's: then the split can be only that one. Else None."""
+        comps = pname.split(".")
+        at = next((i for i, c in enumerate(comps) if c == fuse.into), None)
+        if at is None or not self.key_shapes:
+            return None
+        stack_at = None
+        if stacked:
+            stack_at = next((i for s in self.rules.stacks for i in range(len(comps) - 1)
+                             if comps[i] == s.container), None)
+            if stack_at is None:
+                return None
+        sizes = []
+        for part in fuse.parts:
+            c = comps[:at] + [part] + comps[at + 1:]
+            if stack_at is not None:
+                c.insert(stack_at + 1, "0")
+            shape = self.key_shapes.get(self.unrename(".".join(c)))
+            if shape is None or dim >= len(shape):
+                return None
+            sizes.append(int(shape[dim]))
+        return tuple(sizes) if sum(sizes) == total else None
 
     # -- backward: parameter -> the keys the checkpoint should hold ------------------------------------
     def units(self, pname: str) -> list[tuple[str, Region]]:

@@ -89,7 +89,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     source = open_source(source, strict=False)
     rules = rules + source.rules
     params, groups = module_params(module)
-    mapper = Mapper(rules, params)
+    mapper = Mapper(rules, params, {k: tuple(source.info(k).shape) for k in source.keys()})
     out = Plan(source, problems=list(source.problems), params=params, tp=tp)
     shards = [(re.compile(s.pattern), s) for s in rules.shards] if tp is not None else []
     writes: dict[str, list[tuple[tuple, str, str, Region]]] = {}

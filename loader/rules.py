@@ -15,7 +15,8 @@ A checkpoint key goes through the rules in this order:
                replicated); a key no Shard matches is replicated. See loader/shard.py for the arithmetic.
 
 The sizes of a fused parameter's shards come from `Fuse.sizes`, else from the destination parameter's
-`shard_sizes` attribute (set by the layer that fuses), else an equal split.
+`shard_sizes` attribute (set by the layer that fuses), else from the checkpoint's shapes of the parts when they
+add up to the destination (a grouped-query q/k/v), else an equal split.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from loader import Fuse, Ignore, LoadError, Rules, Stack, Tie, load, open_source, plan
+from loader import Fuse, Ignore, LoadError, Rules, Stack, Tie, load, materialize, on_meta, open_source, plan
 from tiny import load_reference, save_tiny
 
 IDS = torch.tensor([[1, 5, 9, 3, 7, 11]])
@@ -68,6 +68,90 @@ def test_meta_module_with_meta_rotary_buffers_loads(tiny_dir):
         model = transformers.LlamaForCausalLM(config)
     load(model, tiny_dir)  # inv_freq is non-persistent: left to the model, not an error
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["rebuild", "init_weights"])
+def test_meta_rotary_buffers_reported_then_materialized(tiny_dir, how):
+    """transformers' own Llama built wholly on meta: the load says which buffers it left there (the rotary
+    inv_freq / original_inv_freq, non-persistent), the first forward fails on them, and materialize() computes
+    them (from the module's constructor, or transformers' own _init_weights): logits equal from_pretrained's."""
+    config = transformers.AutoConfig.from_pretrained(tiny_dir, attn_implementation="eager")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    report = load(model, tiny_dir)
+    assert report.on_meta == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    assert "left on meta" in str(report)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        model(IDS)
+    done = materialize(model, init=model._init_weights if how == "init_weights" else None)
+    assert done == report.on_meta and on_meta(model) == []
+    ref = load_reference(tiny_dir)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=0, atol=0)
+
+
+def test_materialize_refuses_what_it_cannot_compute():
+    class Plain(nn.Module):  # a derived buffer and no config to rebuild it from
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    with torch.device("meta"):
+        m = nn.Sequential(Plain(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"parameters are on the meta device \(1\.weight, 1\.bias\)"):
+        materialize(m)  # weights are the checkpoint's to fill
+    m[1] = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"0\.table on the meta device, and Plain has no `config`.*pass init="):
+        materialize(m)
+    assert materialize(m, init=lambda mod: mod.table.copy_(torch.arange(4.0) * 2)) == ["0.table"]
+    assert m[0].table.tolist() == [0.0, 2.0, 4.0, 6.0]
+    with torch.device("meta"):
+        m[0] = Plain()
+    with pytest.raises(ValueError, match=r"init\(Plain\) left 0\.table on the meta device"):
+        materialize(m, init=lambda mod: mod.register_buffer("table", torch.empty(4, device="meta")))
+
+
+def test_fuse_takes_grouped_query_sizes_from_the_checkpoint(tiny_dir):
+    """A GQA checkpoint (4 query heads, 2 KV heads: q 64 rows, k and v 32) fused into one qkv_proj that declares
+    no shard sizes: 128 rows do not split equally in 3, and the checkpoint's shapes give the only split."""
+    config = transformers.AutoConfig.from_pretrained(tiny_dir)
+    assert config.num_key_value_heads < config.num_attention_heads
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            a = layer.self_attn
+            rows = a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
+            a.qkv_proj = nn.Linear(config.hidden_size, rows, bias=False)
+            del a.q_proj, a.k_proj, a.v_proj
+    rules = Rules(fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"),))
+    assert plan(model, tiny_dir, rules).problems == []
+    report = load(model, tiny_dir, rules)
+    ref = load_reference(tiny_dir)
+    for i, layer in enumerate(model.model.layers):
+        r = ref.model.layers[i].self_attn
+        assert torch.equal(layer.self_attn.qkv_proj.weight,
+                           torch.cat([r.q_proj.weight, r.k_proj.weight, r.v_proj.weight]))
+    prov = report.provenance["model.layers.0.self_attn.qkv_proj.weight"]
+    assert sorted((k.split(".")[-2], str(r)) for k, _, r in prov) == [
+        ("k_proj", "[rows 64:96]"), ("q_proj", "[rows 0:64]"), ("v_proj", "[rows 96:128]")]
+
+
+def test_fuse_checkpoint_sizes_beat_an_equal_split(tmp_path):
+    """q 64 + k 16 + v 16 = 96 rows would split equally (32 each), wrongly: the checkpoint's shapes win."""
+    g = torch.Generator().manual_seed(0)
+    t = {f"attn.{p}_proj.weight": torch.randn(n, 8, generator=g) for p, n in (("q", 64), ("k", 16), ("v", 16))}
+    with torch.device("meta"):
+        m = nn.Module()
+        m.attn = nn.Module()
+        m.attn.qkv_proj = nn.Linear(8, 96, bias=False)
+    load(m, write(tmp_path, t), Rules(fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"),)))
+    assert torch.equal(m.attn.qkv_proj.weight, torch.cat([t[f"attn.{p}_proj.weight"] for p in "qkv"]))
+    del t["attn.k_proj.weight"]  # a part missing: no split from the checkpoint; the equal one, and k is missing
+    with torch.device("meta"):
+        m.attn.qkv_proj = nn.Linear(8, 96, bias=False)
+    with pytest.raises(LoadError) as e:
+        load(m, write(tmp_path, t), Rules(fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"),)))
+    assert any("attn.k_proj.weight" in p and "missing" in p for p in problems_of(e))
 
 
 def test_plan_is_clean_and_reads_headers_only(ckpt):
