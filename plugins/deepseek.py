@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rules, Stack
-from plugins.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from loader.rules import Fuse, Ignore, Rules, Shard, Stack
+from plugins.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, split_config
 from registry import ArchSpec, hookimpl
 from zoo.layers.deepseek_moe import DeepseekMoE, GroupLimitedRouter
 from zoo.layers.mla import MLAttention, mla_softmax_scale
@@ -114,6 +114,20 @@ def validate(config) -> None:
                          f"'group_limited_greedy' (the routers transformers 5.24 has for V2)")
 
 
+def tensor_parallel(config, size: int):
+    """MLA heads split: q_proj / q_b_proj and kv_b_proj column-parallel by heads, o_proj row-parallel; the latent
+    (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) replicated, so each rank's latent cache holds
+    the whole latent (R + DR per token: the latent is shared by every head) and its absorbed decode runs its own
+    heads. DeepSeek MoE: every routed and shared expert split by intermediate size (the block summed once), the
+    router replicated; the dense layers' MLP as Llama's; embedding and head vocab-parallel."""
+    local = split_config(config, size, ("num_attention_heads", "intermediate_size", "moe_intermediate_size"))
+    return local, Rules(shards=(
+        Shard(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.weight$", "column"),
+        Shard(r"\.(o_proj|down_proj)\.weight$", "row"),
+        Shard(r"(^|\.)(embed_tokens|lm_head)\.weight$", "vocab", size=config.vocab_size),
+    ))
+
+
 RULES = Rules(
     fuses=(Fuse(("gate_proj", "up_proj"), "gate_up_proj"),),  # dense MLP, shared experts, each routed expert
     stacks=(Stack("experts"),),  # mlp.experts.{e}.gate_proj -> row e of mlp.experts.gate_up_proj
@@ -129,6 +143,6 @@ V3_RULES = RULES + Rules(ignores=(
 @hookimpl
 def register_architectures(register) -> None:
     register(ArchSpec(("DeepseekV2ForCausalLM",), "plugins.deepseek:DeepseekV2ForCausalLM", "mla", rules=RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))
     register(ArchSpec(("DeepseekV3ForCausalLM",), "plugins.deepseek:DeepseekV3ForCausalLM", "mla", rules=V3_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

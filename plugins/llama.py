@@ -220,26 +220,38 @@ def num_kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def tensor_parallel(config, size: int):
-    """(rank-local config, Shard rules) for `size` ranks, Megatron-style: q/k/v and gate/up split by rows
-    (column-parallel; k/v by KV heads, each rank one head when size > KV), o/down by cols (row-parallel), the
-    embedding and head by vocab rows (padded to a multiple of 64), norms replicated. Every rank builds the same
-    local shapes; the loader's Shard rules say which slice of each checkpoint tensor a rank reads."""
+def split_config(config, size: int, fields: tuple[str, ...]):
+    """A copy of `config` with each of `fields` divided by `size` (ValueError naming a field that does not
+    split) and the vocabulary cut to one rank's part of the padded vocab."""
     import copy
 
-    heads, kv, inter = config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size
-    for field, n in (("num_attention_heads", heads), ("intermediate_size", inter)):
+    local = copy.deepcopy(config)
+    for field in fields:
+        n = getattr(config, field, None)
+        if n is None:
+            continue
         if n % size:
             raise ValueError(f"config.{field}={n} does not split over tensor parallel size {size}")
+        setattr(local, field, n // size)
+    local.vocab_size = padded_vocab(config.vocab_size, size) // size
+    return local
+
+
+def tensor_parallel(config, size: int, *, fields: tuple[str, ...] = ("intermediate_size",),
+                    shards: tuple[Shard, ...] = ()):
+    """(rank-local config, Shard rules) for `size` ranks, Megatron-style: q/k/v and gate/up split by rows
+    (column-parallel; k/v by KV heads, each rank one head when size > KV), o/down by cols (row-parallel), the
+    embedding and head by vocab rows (padded to a multiple of 64), norms and routers replicated. Every rank
+    builds the same local shapes; the loader's Shard rules say which slice of each checkpoint tensor a rank
+    reads. MoE variants pass their expert sizes in `fields` (each expert split like a dense MLP: per-expert
+    gate_proj/up_proj column, down_proj row) and their own key names in `shards`."""
+    kv = num_kv_heads_of(config)
+    local = split_config(config, size, ("num_attention_heads",) + fields)
     if kv % size and size % kv:
         raise ValueError(f"config.num_key_value_heads={kv} and tensor parallel size {size}: neither divides the other")
-    local = copy.deepcopy(config)
     local.head_dim = head_dim_of(config)
-    local.num_attention_heads = heads // size
     local.num_key_value_heads = max(kv // size, 1)
-    local.intermediate_size = inter // size
-    local.vocab_size = padded_vocab(config.vocab_size, size) // size
-    rules = Rules(shards=(
+    rules = Rules(shards=shards + (
         Shard(r"\.(q_proj|gate_proj|up_proj)\.(weight|bias)$", "column"),
         Shard(r"\.(k_proj|v_proj)\.(weight|bias)$", "kv", heads=kv),
         Shard(r"\.(o_proj|down_proj)\.weight$", "row"),

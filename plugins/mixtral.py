@@ -11,8 +11,8 @@ Module names are transformers' in-memory names (`mlp`, `mlp.gate`, `mlp.experts`
 """
 from __future__ import annotations
 
-from loader.rules import Rename, Rules, Stack
-from plugins.llama import LLAMA_RULES, validate
+from loader.rules import Rename, Rules, Shard, Stack
+from plugins.llama import LLAMA_RULES, tensor_parallel as dense_tensor_parallel, validate
 from plugins.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -49,6 +49,13 @@ class MixtralForCausalLM(MistralForCausalLM):
     model_class = MixtralModel
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split, each expert split by its intermediate size: w1 / w3 column-parallel, w2 row-parallel (the
+    MoE block's output summed over the ranks once); the router is replicated."""
+    return dense_tensor_parallel(config, size, shards=(Shard(r"\.experts\.\d+\.(w1|w3)\.weight$", "column"),
+                                                       Shard(r"\.experts\.\d+\.w2\.weight$", "row")))
+
+
 def validate_moe(config) -> None:
     """The dense checks, plus the routing fields (raise ValueError naming the field)."""
     validate(config)
@@ -60,4 +67,4 @@ def validate_moe(config) -> None:
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("MixtralForCausalLM",), "plugins.mixtral:MixtralForCausalLM", "moe", rules=MIXTRAL_RULES,
-                      validate=validate_moe))
+                      validate=validate_moe, tensor_parallel=tensor_parallel))

@@ -8,7 +8,9 @@ shared_expert(x)` (a dense MLP of `shared_expert_intermediate_size`) to the rout
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES
+from functools import partial
+
+from plugins.llama import LLAMA_RULES, tensor_parallel
 from plugins.mixtral import MOE_RULES, validate_moe
 from plugins.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
 from registry import ArchSpec, hookimpl
@@ -47,7 +49,13 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     model_class = Qwen2MoeModel
 
 
+# tensor parallelism: the dense layers', every expert's and the shared expert's intermediate sizes split (their
+# gate_proj / up_proj / down_proj keys are Llama's); the router and shared_expert_gate replicated
+MOE_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen2MoeForCausalLM",), "plugins.qwen2_moe:Qwen2MoeForCausalLM", "moe",
-                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe))
+                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe,
+                      tensor_parallel=partial(tensor_parallel, fields=MOE_FIELDS)))

@@ -7,9 +7,11 @@ config.use_sliding_window sets one, applies to every layer (transformers builds 
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES
+from functools import partial
+
+from plugins.llama import LLAMA_RULES, tensor_parallel
 from plugins.mixtral import MOE_RULES, validate_moe
-from plugins.qwen2_moe import is_sparse
+from plugins.qwen2_moe import MOE_FIELDS, is_sparse
 from plugins.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -40,4 +42,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen3MoeForCausalLM",), "plugins.qwen3_moe:Qwen3MoeForCausalLM", "moe",
-                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe))
+                      rules=LLAMA_RULES + MOE_RULES, validate=validate_moe,
+                      tensor_parallel=partial(tensor_parallel, fields=MOE_FIELDS)))

@@ -177,3 +177,84 @@ def test_inspect_tensor_parallel_dry_run(cases, capsys):
 def test_unsplittable_config_is_named(cases, capsys):
     assert main(["inspect", str(cases["llama-kv2"]), "--tensor-parallel-size", "3"]) == 2
     assert "config.num_attention_heads=4 does not split over tensor parallel size 3" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def moe_cases(tmp_path_factory):
+    from tiny_configs import save_arch
+
+    root = tmp_path_factory.mktemp("tp-moe")
+    return {arch: save_arch(arch, root / arch) for arch in
+            ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
+
+
+def _part(n: int, rank: int, size: int) -> slice:
+    return slice(rank * n // size, (rank + 1) * n // size)
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
+                                  "DeepseekV3ForCausalLM"])
+def test_moe_and_mla_ranks_load_their_expert_and_head_slices(moe_cases, arch):
+    """Per-expert keys: gate/up rows and down cols of each expert's intermediate part; a shared expert split the
+    same way; the router (and V3's correction bias) whole. MLA: q_b_proj / kv_b_proj rows of the rank's heads,
+    o_proj its cols, the latent projection and its norm whole. Cut by hand from the files."""
+    path = moe_cases[arch]
+    full = load_file(path / "model.safetensors")
+    n = 2
+    model, rules, config = _model(path, n)
+    rp = plan_ranks(model, path, rules, n)
+    assert rp.ok, rp.problems
+    mla = arch.startswith("Deepseek")
+    w1, w3, w2 = ("w1", "w3", "w2") if arch == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+    moe = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
+    layer = 1  # sparse in every case (Qwen2-MoE: decoder_sparse_step 2; DeepSeek: first_k_dense_replace 1)
+    for rank in range(n):
+        with torch.device("meta"):
+            local, _, _ = _model(path, n)
+        report = load(local, path, rules, tp=Parallel(rank, n))
+        assert report.bytes == rp.bytes(rank) and report.tp == Parallel(rank, n)
+        params = dict(local.named_parameters())
+        pre, mp = f"model.layers.{layer}", f"model.layers.{layer}.mlp"
+        e = 3
+        k = lambda leaf: full[f"{pre}.{moe}.experts.{e}.{leaf}.weight"]
+        inter = k(w1).shape[0]
+        mine = _part(inter, rank, n)
+        assert torch.equal(params[f"{mp}.experts.gate_up_proj.weight"][e], torch.cat([k(w1)[mine], k(w3)[mine]]))
+        assert torch.equal(params[f"{mp}.experts.down_proj.weight"][e], k(w2)[:, mine])
+        assert torch.equal(params[f"{mp}.gate.weight"], full[f"{pre}.{moe}.gate.weight"])  # the router, whole
+        shared = {"Qwen2MoeForCausalLM": "shared_expert"}.get(arch, "shared_experts" if mla else None)
+        if shared:
+            g, u, d = (full[f"{mp}.{shared}.{x}.weight"] for x in ("gate_proj", "up_proj", "down_proj"))
+            s = _part(g.shape[0], rank, n)
+            assert torch.equal(params[f"{mp}.{shared}.gate_up_proj.weight"], torch.cat([g[s], u[s]]))
+            assert torch.equal(params[f"{mp}.{shared}.down_proj.weight"], d[:, s])
+        if arch == "DeepseekV3ForCausalLM":
+            assert torch.equal(params[f"{mp}.gate.e_score_correction_bias"], full[f"{mp}.gate.e_score_correction_bias"])
+        if mla:
+            a = f"{pre}.self_attn"
+            heads = _part(config.num_attention_heads, rank, n)
+            per_head = lambda t, d: t.view(config.num_attention_heads, d, *t.shape[1:])[heads].flatten(0, 1)
+            qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+            assert torch.equal(params[f"{a}.q_b_proj.weight"], per_head(full[f"{a}.q_b_proj.weight"], qk))
+            assert torch.equal(params[f"{a}.kv_b_proj.weight"],
+                               per_head(full[f"{a}.kv_b_proj.weight"], config.qk_nope_head_dim + config.v_head_dim))
+            o = full[f"{a}.o_proj.weight"]
+            assert torch.equal(params[f"{a}.o_proj.weight"], o[:, _part(o.shape[1], rank, n)])
+            for whole in ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm"):
+                assert torch.equal(params[f"{a}.{whole}.weight"], full[f"{a}.{whole}.weight"])  # the latent
+
+
+def test_checkpoint_missing_a_ranks_expert_slice_is_refused(moe_cases, tmp_path):
+    src = moe_cases["MixtralForCausalLM"]
+    tensors = load_file(src / "model.safetensors")
+    key = "model.layers.0.block_sparse_moe.experts.2.w2.weight"  # row-parallel: rank 1 reads cols 48:96
+    tensors[key] = tensors[key][:, :48].clone()
+    bad = tmp_path / "half-expert"
+    bad.mkdir()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    model, rules, _ = _model(bad, 2)
+    text = "\n".join(map(str, plan_ranks(model, bad, rules, 2).problems))
+    assert (f"rank 1 of 2: {key} in model.safetensors has shape [64, 48] but "
+            f"model.layers.0.mlp.experts.down_proj.weight[2] expects [64, 96]: rank 1's slice, cols 48:96, is not in "
+            f"the checkpoint") in text

@@ -4,8 +4,10 @@ order of additions); a rank killed mid-generation ends the run within 30 s, nami
 
 Each LLM spawns one interpreter (~10 s on this machine), so the cases are few: Llama with 1 KV head (each rank
 holds a copy of it) and a tied head over an odd vocab (131, padded to 192), 2 KV heads (one per rank), and
-4 KV heads with biases on q/k/v/o (the row-parallel o_proj bias added once), and Qwen3 with 1 KV head (its
-per-head q/k norms travel with the heads).
+4 KV heads with biases on q/k/v/o (the row-parallel o_proj bias added once), Qwen3 with 1 KV head (its
+per-head q/k norms travel with the heads), Mixtral and Qwen2-MoE (experts split by intermediate size, a shared
+expert like a dense MLP, one all-reduce per MoE layer) and DeepSeek-V2 (MLA heads split, the latent replicated,
+DeepSeek MoE with shared experts and group-limited routing).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tiny import load_reference, save_tiny
+from tiny_configs import TINY_CONFIGS
 from zoo import LLM
 from zoo.runtime.distributed import TensorParallelError
 from zoo.runtime.sampling_params import SamplingParams
@@ -28,6 +31,13 @@ CASES = {
     "kv2": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
     "kv4-bias": ("LlamaForCausalLM", dict(num_key_value_heads=4, attention_bias=True)),
     "qwen3-kv1-qk-norms": ("Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=16)),  # k_norm with the KV copy
+    # MoE: every expert split by intermediate size (w1/w3 column, w2 row), the router replicated, one all-reduce
+    "mixtral": ("MixtralForCausalLM", TINY_CONFIGS["MixtralForCausalLM"]),
+    # a shared expert split like a dense MLP (its gate replicated), q/k/v biases, a dense layer (sparse step 2)
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", TINY_CONFIGS["Qwen2MoeForCausalLM"]),
+    # MLA heads split (q_b_proj / kv_b_proj by heads, o_proj by cols), the latent replicated; a dense first layer,
+    # then DeepSeek MoE with shared experts and group-limited routing; decode steps take the absorbed path
+    "deepseek-v2-mla": ("DeepseekV2ForCausalLM", TINY_CONFIGS["DeepseekV2ForCausalLM"]),
 }
 
 

@@ -84,6 +84,8 @@ class GroupLimitedRouter(nn.Module):
 class DeepseekMoE(nn.Module):
     """`gate` (GroupLimitedRouter) + `experts` (moe.StackedExperts) + `shared_experts` (a dense MLP or None)."""
 
+    tensor_parallel_sum = True  # as moe.SparseMoeBlock: routed and shared experts' partial sums, summed once
+
     def __init__(self, *, gate: GroupLimitedRouter, experts: StackedExperts, shared_experts: nn.Module | None,
                  prefix: str = ""):
         super().__init__()

@@ -120,6 +120,10 @@ class SparseMoeBlock(nn.Module):
     when given, the block also owns `shared_expert_gate` (weight [1, H]).
     """
 
+    # tensor parallelism: the experts (and the shared expert) split by intermediate size, so the output is a
+    # partial sum over the ranks; zoo.layers.parallel sums it once (the gate scales the shared part linearly)
+    tensor_parallel_sum = True
+
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  hidden_act: str = "silu", scoring: str = "softmax", renormalize: bool = True,
                  weights_in_input_dtype: bool = True, shared_expert: nn.Module | None = None, prefix: str = ""):

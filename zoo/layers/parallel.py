@@ -10,6 +10,10 @@ parallel q/k/v and gate/up and the attention need nothing more. What needs the o
     RowParallelLinear      o_proj, down_proj: the partial products summed over the ranks; the bias added once
     VocabParallelEmbedding this rank's vocab rows; ids of other ranks give zero rows; summed over the ranks
     ParallelLMHead         this rank's logit columns gathered from every rank, the vocab padding cut
+    summed blocks          a module whose class sets `tensor_parallel_sum = True` (the MoE blocks: experts split
+                           by intermediate size, a shared expert like a dense MLP) returns a partial sum: its
+                           output is all-reduced once, and the row-parallel weights inside it are not reduced
+                           on their own (one all-reduce per MoE layer, routed and shared experts together)
 """
 from __future__ import annotations
 
@@ -66,14 +70,45 @@ class ParallelLMHead(LMHead):
         return torch.cat(parts, dim=-1)[:, :self.full_vocab]  # [N, V]
 
 
+class SummedOverRanks:
+    """Mixed into a block whose output, under tensor parallelism, is this rank's partial sum: the sum over
+    the ranks (all-reduce) is the block's output."""
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        y = super().forward(*args, **kwargs)  # [T, H], this rank's part
+        dist.all_reduce(y)
+        return y
+
+
+_SUMMED: dict[type, type] = {}
+
+
+def _summed(cls: type) -> type:
+    if cls not in _SUMMED:
+        _SUMMED[cls] = type(f"Summed{cls.__name__}", (SummedOverRanks, cls), {"__doc__": cls.__doc__})
+    return _SUMMED[cls]
+
+
 def parallelize(model: nn.Module, rules, rank: int, vocab_size: int) -> nn.Module:
     """Swap in the layers that talk to the other ranks, by the rules' Shard kinds: "row" weights' Linear,
-    "vocab" weights' embedding and head. Returns `model`; ValueError when a sharded weight's module is of
-    another kind (its forward would silently compute on a slice)."""
+    "vocab" weights' embedding and head, and the blocks that declare `tensor_parallel_sum` (summed once; the
+    row-parallel weights inside them stay partial). Returns `model`; ValueError when a sharded weight's module
+    is of another kind (its forward would silently compute on a slice)."""
     kinds = [(re.compile(s.pattern), s.kind) for s in rules.shards]
+    summed = [name for name, m in model.named_modules() if getattr(type(m), "tensor_parallel_sum", False)]
+    for name in summed:
+        module = model.get_submodule(name)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, _adopt(_summed(type(module)), module))
     for name, module in list(model.named_modules()):
         w = getattr(module, "weight", None)
         kind = next((k for p, k in kinds if isinstance(w, torch.Tensor) and p.search(f"{name}.weight")), None)
+        inside = next((s for s in summed if name.startswith(f"{s}.")), None)
+        if kind == "row" and inside is not None:
+            if getattr(module, "bias", None) is not None:
+                raise ValueError(f"{name}: a row-parallel weight with a bias inside {inside}, whose output is summed "
+                                 f"over the ranks: the bias would be added once per rank")
+            continue  # a partial product; the block sums it with the rest
         if kind == "row" and type(module) is Linear:
             new = _adopt(RowParallelLinear, module)
         elif kind == "vocab" and type(module) is VocabEmbedding:
