@@ -115,6 +115,42 @@ def test_logit_bias_and_vllm_fields(client):
     assert sorted(c.index for c in got.choices) == [0, 1, 2]
 
 
+def test_prompt_logprobs_bad_words_and_echo(client, offline):
+    """vLLM's extras over HTTP: prompt_logprobs (per prompt token, the first None) equal LLM.generate's; bad_words
+    bans a word; completions' echo puts the prompt's text and, with logprobs, its tokens' logprobs first."""
+    prompt = words(5, 30)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2,
+                                                     logprobs=1))[0]
+    got = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=4, logprobs=1,
+                                    extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    plp = got.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(want.prompt_token_ids)
+    for d, w in zip(plp[1:], want.prompt_logprobs[1:]):
+        assert {int(t): v["logprob"] for t, v in d.items()} == pytest.approx(w)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 5
+    first = want.text.split()[0]
+    banned = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=4,
+                                       extra_body={"ignore_eos": True, "bad_words": [first]})
+    assert first not in banned.choices[0].text.split()
+    echoed = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=4, logprobs=1, echo=True,
+                                       extra_body={"ignore_eos": True})
+    c = echoed.choices[0]
+    assert c.text == prompt + want.text and c.model_extra.get("prompt_logprobs") is None
+    n_prompt = len(want.prompt_token_ids)
+    assert len(c.logprobs.tokens) == n_prompt + 4 and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:n_prompt] == pytest.approx([w[t] for w, t in zip(
+        want.prompt_logprobs[1:], want.prompt_token_ids[1:])])
+    assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx([w[t] for w, t in zip(want.logprobs, want.token_ids)])
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=4, echo=True,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt + want.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                       extra_body={"echo": True})
+
+
 def test_64_concurrent_streams_get_every_token_and_the_offline_greedy_text(server, offline):
     prompts = [words(3 + i % 7, 5 * i) for i in range(64)]
     want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -171,7 +207,9 @@ def test_a_client_that_disconnects_frees_its_blocks(client, server):
     (dict(extra_body={"stop_token_ids": [10 ** 6]}), "stop_token_ids"),
     (dict(logit_bias={"5": "much"}), "logit_bias"),
     (dict(logit_bias={"x": 1}), "logit_bias"),
-    (dict(extra_body={"echo": True}), "echo"),
+    (dict(extra_body={"echo": "yes"}), "echo"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
+    (dict(extra_body={"bad_words": [""]}), "bad_words"),
     (dict(extra_body={"allowed_token_ids": [10 ** 6]}), "allowed_token_ids"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(client, kwargs, field):

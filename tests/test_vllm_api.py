@@ -102,3 +102,94 @@ def test_logit_bias_allowed_token_ids_and_include_stop_str(llm):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="allowed_token_ids.*outside the vocabulary"):
         llm.generate(words(3), SamplingParams(allowed_token_ids=[999]))
+
+
+# -- prompt_logprobs: against transformers' logits of the prompt ------------------------------------------
+
+def reference_prompt_logprobs(model_dir, ids: list[int]):
+    import torch
+
+    from tiny import load_reference
+
+    with torch.no_grad():
+        logits = load_reference(model_dir)(torch.tensor([ids])).logits[0].double()  # [L, V]
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("path", ["fused", "modules", "chunked"])
+def test_prompt_logprobs_match_transformers(model_dir, path):
+    """Per prompt token: None for the first, then {that token: its logprob, the 3 most likely tokens'}, equal to
+    transformers' log_softmax of the prompt's logits; on the fused step, the module path and a prefill cut in
+    chunks of 5; a second run of the same prompt is not served from the prefix cache (it would skip those rows)."""
+    llm = LLM(str(model_dir), max_num_batched_tokens=5 if path == "chunked" else 2048)
+    if path == "modules":
+        llm.engine.runner.fused = None
+    ids = llm.get_tokenizer().encode(words(40, 7))  # (two whole blocks of 16 the prefix cache could serve)
+    ref = reference_prompt_logprobs(model_dir, ids)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3, logprobs=0)
+    first, again = llm.generate([ids], params)[0], llm.generate([ids], params)[0]
+    for out in (first, again):
+        lp = out.prompt_logprobs
+        assert len(lp) == len(ids) and lp[0] is None
+        for i in range(1, len(ids)):
+            d, row = lp[i], ref[i - 1]
+            assert next(iter(d)) == ids[i]  # the prompt's own token first
+            top = row.topk(3).indices.tolist()
+            assert set(d) == {ids[i], *top}
+            for t, v in d.items():
+                assert v == pytest.approx(row[t].item(), abs=2e-5)
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # without them, the cache serves it
+
+
+def test_prompt_logprobs_zero_and_bad_values(llm):
+    ids = llm.get_tokenizer().encode(words(4))
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert [None if d is None else list(d) for d in out.prompt_logprobs] == [None] + [[t] for t in ids[1:]]
+    with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs=-1"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs=999: more than the vocabulary"):
+        llm.generate([ids], SamplingParams(prompt_logprobs=999))
+
+
+# -- bad_words -----------------------------------------------------------------------------------------------
+
+def test_bad_words_ban_a_word_and_a_word_pair(llm):
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = words(3, 11)
+    free = llm.generate(prompt, SamplingParams(**greedy))[0]
+    toks = free.token_ids
+    tok = llm.get_tokenizer()
+    one = tok.decode([toks[1]])
+    (banned,) = llm.generate(prompt, SamplingParams(bad_words=[one], **greedy))
+    assert toks[1] not in banned.token_ids  # never drawn, anywhere
+    assert banned.token_ids[:1] == toks[:1] and banned.token_ids[1] != toks[1]
+    # a two-token word: its second token is banned only right after its first
+    pair = tok.decode(toks[2:4])
+    (out,) = llm.generate(prompt, SamplingParams(bad_words=[pair], **greedy))
+    assert out.token_ids[:3] == toks[:3] and out.token_ids[3] != toks[3]
+    assert all(out.token_ids[i:i + 2] != toks[2:4] for i in range(len(out.token_ids) - 1))
+    with pytest.raises(ValueError, match="SamplingParams.bad_words="):
+        SamplingParams(bad_words=[""])
+
+
+def test_bad_words_tokenised_with_and_without_a_leading_space():
+    """vLLM's rule: the word alone and, when that gives another first token in as many tokens, with a space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from zoo.runtime.engine import bad_words_token_ids
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["hello world, hello there; say hello to the world"] * 20,
+                          trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=t)
+    bare, spaced = tok.encode("hello", add_special_tokens=False), tok.encode(" hello", add_special_tokens=False)
+    assert len(bare) == len(spaced) == 1 and bare != spaced  # "hello" and "Ġhello"
+    assert bad_words_token_ids(tok, ["hello", "  hello"], None) == [bare, spaced, bare, spaced]
+    with pytest.raises(ValueError, match="outside the vocabulary of 10 tokens"):
+        bad_words_token_ids(tok, ["hello"], 10)

@@ -61,6 +61,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
     num_preemptions: int = 0
     samples: list[CompletionOutput] | None = None  # SamplingParams.n > 1: every sample (LLM.generate fills it)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token: raw logprob, top-n ...}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -110,6 +112,26 @@ def token_ids(prompt, vocab: int | None, what: str) -> list[int]:
         if t < 0 or (vocab is not None and t >= vocab):
             raise ValueError(f"{what} token {i} is {t}, outside the vocabulary of {vocab} tokens")
     return ids
+
+
+def bad_words_token_ids(tokenizer, words: list[str], vocab: int | None) -> list[list[int]]:
+    """The token sequences SamplingParams.bad_words ban, as vLLM tokenises them: each word (its leading spaces
+    stripped) alone, and with one leading space when that gives a different first token in as many tokens (the
+    word inside a text); no special tokens. A word that encodes to nothing or past the vocabulary: ValueError."""
+    out = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"SamplingParams.bad_words: {word!r} encodes to no tokens")
+        out.append(list(bare))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(list(spaced))
+    for ids in out:
+        if vocab is not None and max(ids) >= vocab:
+            raise ValueError(f"SamplingParams.bad_words: token {max(ids)} of {tokenizer.decode(ids)!r} is outside the "
+                             f"vocabulary of {vocab} tokens")
+    return out
 
 
 class LLMEngine:
@@ -191,6 +213,10 @@ class LLMEngine:
             placeholder_ranges(list(prompt), self.mm.image_token_id, [], request_id)
         req = Request(request_id, list(prompt), params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
                       prompt=text, mm_items=items)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: SamplingParams.bad_words needs a tokenizer")
+            req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.scheduler.add_request(req)
@@ -252,4 +278,4 @@ class LLMEngine:
             text = detok.text[:detok.emitted]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, text, list(req.output_token_ids),
                              req.logprobs, req.finish_reason, req.stop_reason, delta, [token] if token is not None else [],
-                             req.num_cached_tokens or 0, req.num_preemptions)
+                             req.num_cached_tokens or 0, req.num_preemptions, prompt_logprobs=req.prompt_logprobs)

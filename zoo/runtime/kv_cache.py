@@ -103,8 +103,9 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], ns, extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of whole blocks, leaving at least one token to compute."""
-        if not self.enable_caching:
+        """The longest cached prefix of whole blocks, leaving at least one token to compute (none for a request
+        that wants its prompt's logprobs: every prompt row must run)."""
+        if not self.enable_caching or req.wants_prompt_logits:
             return [], 0
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

@@ -1,5 +1,6 @@
 """The model runner: owns the KV tensors, turns a schedule into one flattened ForwardBatch, runs the
-model, computes logits only for the rows that sample, and samples.
+model, computes logits only for the rows that sample (and the prompt rows of a request that wants its
+prompt_logprobs), and samples.
 
 Shape legend (as in zoo/runtime/batch.py):
     T = tokens this step   B = requests this step   N = requests that sample   MB = max blocks of one request
@@ -67,6 +68,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         qsl, seq_lens, tables, sample_rows = [0], [], [], []
+        prompt_rows: list[int] = []  # rows whose logits give a prompt token's logprobs (after the sampled rows)
+        self.prompt_targets: list[tuple[Request, int]] = []  # (request, prompt position p): logits of p -> token p+1
         for s in out.scheduled:
             start, n = s.num_computed_tokens, s.num_new_tokens
             end = start + n
@@ -79,6 +82,11 @@ class ModelRunner:
             tables.append(table)
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
+            req = s.request
+            if req.wants_prompt_logits:  # (resumes where it stopped: a preempted request's are not done twice)
+                for p in range(max(start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)):
+                    prompt_rows.append(qsl[-2] + p - start)
+                    self.prompt_targets.append((req, p))
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]  # [B * MB], padded with 0
 
@@ -90,7 +98,7 @@ class ModelRunner:
             positions=positions_t,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=torch.tensor(flat_tables, dtype=torch.int32, device=dev).view(len(tables), width),
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev),
             kv_caches=self.kv_caches,
             block_size=bs,
             query_start_loc_cpu=qsl,
@@ -123,8 +131,12 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, batch)  # [T, H]
             t2 = time.perf_counter()
-            logits = self.model.compute_logits(hidden[batch.logits_indices]) if reqs else None  # [N, V]
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) \
+                if len(batch.logits_indices) else None  # [N + P, V]
             t3 = time.perf_counter()
+        if self.prompt_targets:  # the rows after the N sampled ones: prompt tokens' logprobs
+            add_prompt_logprobs(logits[len(reqs):], self.prompt_targets)
+            logits = logits[:len(reqs)]  # [N, V]
         if not reqs:
             self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=0.0, **shape)
             return [], None
@@ -134,3 +146,20 @@ class ModelRunner:
         self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=time.perf_counter() - t3,
                                  **shape)
         return reqs, sampled
+
+
+def add_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
+    """Append to each target request's prompt_logprobs the entry of prompt token p + 1: {that token: its raw
+    logprob, then the top-n tokens'} from logits [P, V] at position p (n = its SamplingParams.prompt_logprobs)."""
+    lp = logits.float().log_softmax(-1)  # [P, V]
+    want = torch.tensor([r.all_token_ids[p + 1] for r, p in targets], device=lp.device)  # [P]
+    chosen = lp.gather(1, want[:, None])[:, 0].tolist()  # [P]
+    k = max(r.sampling_params.prompt_logprobs for r, _ in targets)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], want[:, None][:, :0])  # [P, k]
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for i, (r, p) in enumerate(targets):
+        n = r.sampling_params.prompt_logprobs
+        d = {r.all_token_ids[p + 1]: chosen[i]}
+        for t, v in zip(top_ids[i][:n], top_vals[i][:n]):
+            d.setdefault(t, v)
+        r.prompt_logprobs.append(d)

@@ -58,6 +58,10 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.block_hashes: list[bytes] = []  # chained hashes of the complete blocks of all_token_ids
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # prompt token i's logprobs (None for token 0), filled by the steps that compute the prompt
+        self.prompt_logprobs: list[dict[int, float] | None] | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
+        self.bad_words_token_ids: list[list[int]] = []  # the engine tokenises SamplingParams.bad_words
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
@@ -82,6 +86,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt logprobs are not all computed yet: the prompt's every row needs its logits (no cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,5 +1,5 @@
-"""The sampler: allowed tokens and logit bias, penalties, temperature, top-k, top-p, min-p, then one token per
-row; logprobs.
+"""The sampler: allowed tokens, logit bias and bad words, penalties, temperature, top-k, top-p, min-p, then one
+token per row; logprobs.
 
 Shape legend:  N = rows sampled this step (one per request that samples)   V = vocabulary
                L = longest token history among the N requests
@@ -59,6 +59,18 @@ def apply_bias_and_allowed(logits: torch.Tensor, params) -> torch.Tensor:
     return logits
 
 
+def apply_bad_words(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """bad_words: a word's last token to -inf when the output so far ends with the tokens before it (a one-token
+    word: always). vLLM's rule, on the output tokens only (the prompt may hold the word)."""
+    for i, r in enumerate(reqs):
+        out = r.output_token_ids
+        for word in r.bad_words_token_ids:
+            head = len(word) - 1
+            if head <= len(out) and (head == 0 or out[-head:] == word[:-1]):
+                logits[i, word[-1]] = float("-inf")
+    return logits
+
+
 def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
     """[N, V] float: how often each token occurs in each row's history (one scatter_add, padded)."""
     longest = max((len(h) for h in histories), default=0)
@@ -109,6 +121,7 @@ class Sampler:
                 logits[i, sorted(reqs[i].stop_token_ids)] = float("-inf")
         if any(p.restricts_logits for p in params):
             logits = apply_bias_and_allowed(logits, params)
+            logits = apply_bad_words(logits, reqs)
         if any(p.uses_penalties for p in params):
             logits = apply_penalties(logits, reqs)
         if all(p.greedy for p in params):

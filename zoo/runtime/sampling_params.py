@@ -13,7 +13,8 @@ class SamplingParams:
     Order of the logits processing (transformers' order for the warpers):
     penalties -> greedy if temperature == 0, else temperature -> top-k -> top-p -> min-p -> sample.
     `logprobs=n` returns, for every sampled token, the model's raw log-probabilities (log_softmax of the
-    unprocessed logits) of the sampled token and the n most likely ones.
+    unprocessed logits) of the sampled token and the n most likely ones; `prompt_logprobs=n` the same for every
+    prompt token after the first (a request asking for them is not served from the prefix cache: vLLM's rule).
     """
 
     max_tokens: int = 16
@@ -35,6 +36,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (before penalties and warpers)
     allowed_token_ids: list[int] | None = None  # only these tokens can be drawn
+    prompt_logprobs: int | None = None  # per prompt token (the first: None), its raw logprob and the top-n ones
+    bad_words: list[str] | None = None  # words that cannot be generated (each word's last token is banned after
+    # the tokens before it; tokenised with and without a leading space, as vLLM does)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +54,14 @@ class SamplingParams:
             self.top_k = 0
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, low=0)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            self.bad_words = _as_list("bad_words", self.bad_words) or None
+            if self.bad_words and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"SamplingParams.bad_words={self.bad_words!r}: must be non-empty strings")
         if self.seed is not None:  # torch.Generator.manual_seed takes [-2^63, 2^64)
             self.seed = _integer("seed", self.seed, low=-(1 << 63), high=(1 << 64) - 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -88,8 +100,10 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"SamplingParams.{name}={ids!r}: {bad[0]} is outside the vocabulary of "
                                  f"{vocab_size} tokens")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"SamplingParams.logprobs={self.logprobs}: more than the vocabulary's {vocab_size} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) > vocab_size:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)}: more than the vocabulary's "
+                                 f"{vocab_size} tokens")
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +111,7 @@ class SamplingParams:
 
     @property
     def restricts_logits(self) -> bool:
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        return self.logit_bias is not None or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def uses_penalties(self) -> bool:

@@ -9,8 +9,12 @@ A bad request is a 400 whose OpenAI-style body names the field (`param`), with S
 a client that goes away has its requests aborted and their KV blocks freed.
 
 Sampling fields beyond OpenAI's, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, allowed_token_ids. `n` samples are n engine requests with the same prompt
-(the prefix cache shares its blocks); with a seed, sample j gets seed + j.
+ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, allowed_token_ids, bad_words and
+prompt_logprobs (the response's `prompt_logprobs`: per prompt token None for the first, then {token id:
+{"logprob", "decoded_token"}}; on each completion choice, at the top of a chat response). /v1/completions takes
+`echo` (the prompt's text before the completion's; with `logprobs`, the prompt tokens' logprobs first, the
+first one null). `n` samples are n engine requests with the same prompt (the prefix cache shares its blocks);
+with a seed, sample j gets seed + j.
 """
 
 import asyncio
@@ -27,7 +31,8 @@ from zoo.runtime.sampling_params import SamplingParams
 # body field -> SamplingParams field (the same name unless listed)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids")
+                   "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+                   "prompt_logprobs")
 UNSUPPORTED = {  # field -> the value that is fine to send (anything else is refused, naming the field)
     "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
@@ -82,11 +87,13 @@ class OpenAIServer:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "not_found_error")
 
-    def sampling(self, body: dict, max_tokens, max_tokens_field: str, prompt_len: int, *, logprobs=None
-                 ) -> SamplingParams:
+    def sampling(self, body: dict, max_tokens, max_tokens_field: str, prompt_len: int, *, logprobs=None,
+                 echo: bool = False) -> SamplingParams:
+        """The request's SamplingParams. echo (completions): the prompt's logprobs too when logprobs are asked."""
         for name, fine in UNSUPPORTED.items():
-            if name in body and body[name] not in fine:
-                raise bad(f"{name} is not supported by zoo serve", name)
+            if name in body and body[name] not in fine and not (name == "echo" and echo):
+                raise bad(f"{name} is not supported by zoo serve" + (" on /v1/chat/completions" if name == "echo"
+                                                                      else ""), name)
         if max_tokens is None:  # OpenAI's chat default: as many as the context leaves
             max_tokens = max(1, self.engine.max_model_len - prompt_len)
         kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
@@ -97,6 +104,10 @@ class OpenAIServer:
             kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
         if "temperature" not in kwargs:
             kwargs["temperature"] = 1.0
+        if echo and body.get("echo") and logprobs is not None:
+            given = kwargs.get("prompt_logprobs")
+            kwargs["prompt_logprobs"] = max(logprobs, given) if isinstance(given, int) and not isinstance(
+                given, bool) else logprobs if given is None else given
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
             raise bad("stop: at most 16 stop strings", "stop")
         try:
@@ -172,6 +183,25 @@ class OpenAIServer:
             raise bad(msg, _param_of(msg, {}) if "SamplingParams" in msg else field) from None
         self.num_requests += 1
         return added
+
+    def prompt_logprobs_of(self, entries) -> list | None:
+        """vLLM's JSON of prompt logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}."""
+        if entries is None:
+            return None
+        return [None if d is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)}
+                                        for t, v in d.items()} for d in entries]
+
+    def echo_logprobs(self, out, n_top: int):
+        """OpenAI's completion logprobs of the prompt (echo): the first token's are null."""
+        entries = out.prompt_logprobs
+        first = self.token_text(out.prompt_token_ids[0])
+        rest = self.logprobs_of(entries[1:], False, n_top, offset=len(first))
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+    def prompt_text(self, out) -> str:
+        return out.prompt if out.prompt is not None else (
+            self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else "")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -269,14 +299,17 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20):
             raise bad(f"logprobs={lp!r}: must be an integer in [0, 20]", "logprobs")
         max_tokens = body.get("max_tokens", 16)
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise bad(f"echo={echo!r}: must be true or false", "echo")
         jobs = []
         for p in prompts:
             for j in range(n):
-                params = server.sampling(body, max_tokens, "max_tokens", 0, logprobs=lp)
+                params = server.sampling(body, max_tokens, "max_tokens", 0, logprobs=lp, echo=True)
                 if params.seed is not None:
                     params.seed += j
                 jobs.append((p, params))
-        return await respond(request, body, jobs, chat=False, n_top=lp or 0, n=n)
+        return await respond(request, body, jobs, chat=False, n_top=lp or 0, n=n, echo=bool(echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -299,7 +332,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             jobs.append((ids, params))
         return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n)
 
-    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int):
+    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
@@ -307,9 +340,11 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         ids = await asyncio.to_thread(server.start, jobs, rid, field, queue, aloop)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": server.model_name}
+        want_plp = body.get("prompt_logprobs") is not None  # (echo with logprobs computes them, unasked)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n), media_type="text/event-stream")
+            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n, echo, want_plp),
+                                     media_type="text/event-stream")
         finals: dict[int, object] = {}
         try:
             while len(finals) < len(ids):
@@ -336,15 +371,27 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             if chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
-                choice["text"] = out.text
+                choice["text"] = (server.prompt_text(out) if echo else "") + out.text
+                if echo and choice["logprobs"] is not None:
+                    head_lp = server.echo_logprobs(out, n_top)
+                    shift = len(server.prompt_text(out))
+                    lp = choice["logprobs"]
+                    choice["logprobs"] = {k: head_lp[k] + (lp[k] if k != "text_offset" else
+                                                           [o + shift for o in lp[k]]) for k in lp}
+                if want_plp:
+                    choice["prompt_logprobs"] = server.prompt_logprobs_of(out.prompt_logprobs)
             choices.append(choice)
         prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(0, len(ids), n))  # each prompt once
-        return {**head, "choices": choices, "usage": usage_of(prompt_tokens, finals.values())}
+        reply = {**head, "choices": choices, "usage": usage_of(prompt_tokens, finals.values())}
+        if chat and want_plp:
+            reply["prompt_logprobs"] = server.prompt_logprobs_of(finals[0].prompt_logprobs)
+        return reply
 
-    async def stream(ids, queue, head, chat, n_top, include_usage, n):
+    async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         done: dict[int, object] = {}
         seen = [0] * len(ids)  # logprob entries sent per choice
+        started = [False] * len(ids)  # the choice's first chunk (echo's prompt text, prompt_logprobs) is sent
         try:
             if chat:
                 for i in range(len(ids)):
@@ -368,9 +415,24 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                     choice["delta"] = {"content": item.delta_text} if item.delta_text else {}
                 else:
                     choice["text"] = item.delta_text
+                extra = {}
+                if not started[i]:
+                    started[i] = True
+                    if echo and not chat:
+                        choice["text"] = server.prompt_text(item) + choice["text"]
+                        if lp is not None:
+                            lp0 = server.echo_logprobs(item, n_top)
+                            shift = len(server.prompt_text(item))
+                            choice["logprobs"] = {k: lp0[k] + (lp[k] if k != "text_offset" else
+                                                               [o + shift for o in lp[k]]) for k in lp}
+                    if want_plp:
+                        if chat:
+                            extra["prompt_logprobs"] = server.prompt_logprobs_of(item.prompt_logprobs)
+                        else:
+                            choice["prompt_logprobs"] = server.prompt_logprobs_of(item.prompt_logprobs)
                 if item.finished:
                     done[i] = item
-                yield sse({**head, "choices": [choice]})
+                yield sse({**head, "choices": [choice], **extra})
             if include_usage and len(done) == len(ids):
                 prompt = sum(len(done[i].prompt_token_ids) for i in range(0, len(ids), n))
                 yield sse({**head, "choices": [], "usage": usage_of(prompt, done.values())})
