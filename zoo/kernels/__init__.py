@@ -47,6 +47,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-f
 _lib: ctypes.CDLL | None = None
 _tried = False
 _on = os.environ.get("ZOO_FAST", "1") != "0"
+_device_path = os.environ.get("ZOO_DEVICE_PATH", "0") == "1"  # the device code path forced on the CPU
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
@@ -67,8 +68,23 @@ _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "blo
 
 
 def enabled() -> bool:
-    """Kernels switched on (ZOO_FAST is not "0", set_enabled) and built."""
-    return _on and _load() is not None
+    """Kernels switched on (ZOO_FAST is not "0", set_enabled, the device path not forced) and built."""
+    return _on and not _device_path and _load() is not None
+
+
+def device_path(t: torch.Tensor) -> bool:
+    """Whether a layer takes the device code path for t: t is on an accelerator, or the path is forced on the
+    CPU (`ZOO_DEVICE_PATH=1`, `set_device_path(True)`: the same code with the Triton kernels' torch references,
+    no native kernels; tests/test_device_path.py runs the models through it). The device path reads nothing
+    back to the host inside a step (zoo.runtime.host_sync checks it when forced)."""
+    return _device_path or not t.is_cpu
+
+
+def set_device_path(on: bool) -> bool:
+    """Force the device code path on the CPU for this process (or stop); returns the previous setting."""
+    global _device_path
+    previous, _device_path = _device_path, bool(on)
+    return previous
 
 
 def set_enabled(on: bool) -> bool:
@@ -80,7 +96,7 @@ def set_enabled(on: bool) -> bool:
 
 def fast(*tensors: torch.Tensor) -> bool:
     """Whether a layer should take the native path for these tensors (called on every op: kept cheap)."""
-    if not _on or torch.is_grad_enabled():
+    if not _on or _device_path or torch.is_grad_enabled():
         return False
     for t in tensors:
         if t.dtype is not torch.float32 or not t.is_cpu:

@@ -14,6 +14,8 @@ read, so a cache manager may recycle them.
 
 Fast path (float32, CPU, no autograd): `zoo.kernels.attention` writes the cache and attends for every
 token of every request in one call (no per-request loop, no masks); the torch path below is the reference.
+Device path (CUDA): `zoo.kernels.triton.paged_attention`, one launch for the step (decode with split-K, or
+prefill / extend tiles), sized from the batch's host lists; the torch path below is its reference too.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
+from zoo.kernels import triton as triton_kernels
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 
 
@@ -55,6 +58,15 @@ class Attention(nn.Module):
                 raise TypeError(f"{self.prefix}: KV cache is {kv_cache.dtype} but keys are {k.dtype}")
         elif batch.seq_lens_cpu:
             self._check_whole_prompts(batch)
+        if kernels.device_path(q) and kv_cache is not None and triton_kernels.use(q):  # CUDA: one Triton launch
+            kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
+                0, batch.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, KV, D] into their slots
+            qsl = batch.query_start_loc_cpu
+            return triton_kernels.paged_attention(
+                q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale=self.scale,
+                max_query_len=max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0),
+                max_seq_len=max(batch.seq_lens_cpu, default=0), sliding_window=self.sliding_window,
+                softcap=self.softcap, sinks=sinks)  # [T, H * D]
         if sinks is None and kernels.fast(q, k, v) and (kv_cache is None or kv_cache.is_contiguous()):
             return kernels.attention(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.sliding_window,
                                      softcap=self.softcap)  # [T, H * D]

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
+from zoo.kernels import triton as triton_kernels
 from zoo.layers.linear import Linear, linear
 from zoo.layers.mlp import FUSED_ACTS, act_and_mul, activation
 
@@ -91,6 +93,8 @@ class StackedExperts(nn.Module):
         self.down_proj = StackedWeight(num_experts, hidden_size, intermediate_size)  # [E, H, I]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if kernels.device_path(x):
+            return self.grouped(x, topk_ids, topk_weights)
         k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [A]
         order = torch.argsort(flat_ids, stable=True)  # [A] assignments grouped by expert, token order kept
@@ -108,6 +112,22 @@ class StackedExperts(nn.Module):
             start += n
         weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
         return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; on CPU summed in expert-id order, as transformers
+
+    def grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The device path: the same computation with no host read (the experts' loads stay on the device);
+        each GEMM is one grouped GEMM over the sorted rows (zoo.kernels.triton: Triton on CUDA)."""
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [A]
+        order = torch.argsort(flat_ids, stable=True)  # [A]
+        token_of = order // k  # [A]
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # [E] (bincount sizes its output on the host)
+        offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [E+1]
+        gate_up = triton_kernels.grouped_gemm(x[token_of], self.gate_up_proj.weight, offsets)  # [A, 2I]
+        y_sorted = triton_kernels.grouped_gemm(act_and_mul(gate_up, self.act, self.kind), self.down_proj.weight,
+                                               offsets)  # [A, H]
+        weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
+        return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, intermediate={self.intermediate_size}"
