@@ -40,7 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="a multimodal model: also compare the vision layers, projector, merged embeddings and "
-                             "logits of a prompt with these images (repeatable; parity.multimodal)")
+                             "logits of a prompt with these images, and run its image scenarios through the runtime "
+                             "(an image split across prefill chunks, a prefix hit inside the same image; "
+                             "repeatable; parity.multimodal)")
     parser.add_argument("--image-prompt", metavar="TEXT",
                         help="with --image: the prompt (default: the image token per image, 'Describe the image.')")
 
@@ -105,7 +107,8 @@ def run(args) -> int:
 
             say(f"image parity: {len(args.image)} image(s)")
             try:
-                images = image_parity(model, args.image_prompt, args.image, tol_overrides=overrides)
+                images = image_parity(model, args.image_prompt, args.image, tol_overrides=overrides,
+                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens)
             except (ValueError, AttributeError) as e:  # an undecodable image, a model without images
                 raise ParityUsageError(f"--image: {e}") from e
     except ParityUsageError as e:

@@ -18,6 +18,15 @@ Taps, in the order they run (joined by module name: the zoo's modules carry tran
                transformers' own: a divergence here and none in the vision taps is the language model's
 The prompt and images go through the zoo's preprocessing (zoo.runtime.multimodal) and the same tensors feed
 both sides.
+
+Scenarios through the runtime (LLMEngine, as the text scenarios of parity/harness.py run it: the language
+model's taps per layer and the logits, joined per request and position, reported with their first divergence),
+each against transformers' one-shot forward with the same images:
+    chunked    the prompt prefilled under a token budget that splits an image's placeholders across steps
+    prefix     the prompt, then the same text and images up to the last image's end and other text after it,
+               with prefix caching: the second request starts from cached blocks, inside the last image when a
+               block boundary falls there (the block size is chosen for it), its remaining rows from the
+               encoder cache; the positions it computes are compared
 """
 from __future__ import annotations
 
@@ -25,16 +34,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parity.align import from_padded
+from parity.compare import compare, first_divergence, verdict
+from parity.harness import ScenarioResult
+from parity.inputs import special_ids
 from parity.metrics import compare_logits, compare_rows
 from parity.reference import load_reference
+from parity.taps import LOGITS, Capture, reference_taps, short
 from parity.tolerances import tolerances
-from zoo.build import build_model
+from parity.zoo_side import ZooSide
 from zoo.runtime.batch import ForwardBatch
-from zoo.runtime.model_files import load_processor, load_tokenizer, resolve_model
+from zoo.runtime.model_files import load_config, load_processor, load_tokenizer, resolve_model
 from zoo.runtime.multimodal import MultiModal
 
 VISION_LAYERS = ("model.vision_tower.encoder.layers.", "model.visual.blocks.")
 PROJECTORS = ("model.multi_modal_projector", "model.visual.merger")
+VISION_MODULES = ("model.vision_tower.", "model.visual.", "model.multi_modal_projector")
+IMAGE_SCENARIOS = ("chunked", "prefix")
 
 
 @dataclass
@@ -52,14 +68,22 @@ class ImageTap:
 class ImageParity:
     architecture: str
     taps: list[ImageTap] = field(default_factory=list)
+    scenarios: dict[str, ScenarioResult] = field(default_factory=dict)  # chunked, prefix (through the runtime)
 
     @property
     def passed(self) -> bool:
-        return all(t.passed for t in self.taps)
+        return all(t.passed for t in self.taps) and all(s.passed for s in self.scenarios.values())
 
     @property
     def first_divergence(self) -> str | None:
-        return next((t.name for t in self.taps if not t.passed), None)
+        """The first failing one-shot tap, else the first failing scenario as 'scenario: tap'."""
+        tap = next((t.name for t in self.taps if not t.passed), None)
+        if tap is not None:
+            return tap
+        for name, s in self.scenarios.items():
+            if not s.passed:
+                return f"{name}: {s.first_divergence['tap'] if s.first_divergence else 'runtime'}"
+        return None
 
 
 def _hook_outputs(model, names) -> tuple[dict[str, torch.Tensor], list]:
@@ -99,30 +123,59 @@ def _zoo_batch(num_tokens: int) -> ForwardBatch:
                         query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens])
 
 
+def _text_ids(config, tokenizer, n: int) -> list[int]:
+    """n ids of ordinary tokens (no special or placeholder id), for a checkpoint without a tokenizer."""
+    exclude = special_ids(config, tokenizer)
+    vocab = config.get_text_config().vocab_size
+    return [i for i in range(3, vocab) if i not in exclude][:n]
+
+
+def default_prompt(zoo_model, config, tokenizer, num_images: int) -> str | list[int]:
+    """The image token once per image, then "Describe the image."; without a tokenizer (a `--tiny` checkpoint),
+    token ids: ordinary tokens around one image token per image."""
+    if tokenizer is not None:
+        token = tokenizer.convert_ids_to_tokens(zoo_model.image_token_id)
+        return " ".join([token] * num_images + ["Describe the image."])
+    words = _text_ids(config, None, num_images + 4)
+    ids = [words[0]]
+    for k in range(num_images):
+        ids += [zoo_model.image_token_id, words[1 + k]]
+    return ids + words[num_images + 1:]
+
+
+def _reference_inputs(zoo_model, ids: list[int], items) -> tuple[torch.Tensor, dict]:
+    """transformers' inputs for token ids and their images: the same tensors (concatenated over images), and
+    Qwen2-VL's mm_token_type_ids (it computes its M-RoPE positions from them)."""
+    inputs = {k: torch.cat([it.data[k] for it in items]) for k in items[0].data} if items else {}
+    input_ids = torch.tensor([ids])
+    if "image_grid_thw" in inputs:
+        inputs["mm_token_type_ids"] = (input_ids == zoo_model.image_token_id).int()
+    return input_ids, inputs
+
+
 @torch.no_grad()
-def image_parity(model: str, prompt: str | list[int] | None, images: list, *, tol_overrides: dict | None = None
-                 ) -> ImageParity:
-    """`prompt` None: the model's image token once per image, then "Describe the image."."""
+def image_parity(model: str, prompt: str | list[int] | None, images: list, *, tol_overrides: dict | None = None,
+                 scenarios=IMAGE_SCENARIOS, block_size: int = 4, chunk_tokens: int = 7) -> ImageParity:
+    """`prompt` None: `default_prompt`. `scenarios`: which of IMAGE_SCENARIOS run through the runtime."""
     files = resolve_model(model)
-    zoo_model, config, spec, _ = build_model(files.path)
+    processor = load_processor(files)
+    zoo = ZooSide(files.path, config=load_config(files), processor=processor)
+    zoo_model, config, spec = zoo.model, zoo.config, zoo.spec
     ref = load_reference(files.path)
     tol = tolerances("multimodal", tol_overrides)
     tokenizer = load_tokenizer(files)
-    mm = MultiModal(zoo_model, load_processor(files), tokenizer=tokenizer)
+    mm = MultiModal(zoo_model, processor, tokenizer=tokenizer)
     if prompt is None:
-        token = tokenizer.convert_ids_to_tokens(zoo_model.image_token_id)
-        prompt = " ".join([token] * len(images) + ["Describe the image."])
+        prompt = default_prompt(zoo_model, config, tokenizer, len(images))
     ids, items = mm.process("parity", prompt, images)
     taps = _vision_taps(zoo_model, ref)
 
     # the reference: the same tensors (concatenated over images) and the same token ids
-    inputs = {k: torch.cat([it.data[k] for it in items]) for k in items[0].data} if items else {}
-    input_ids = torch.tensor([ids])
-    extra = {"mm_token_type_ids": (input_ids == zoo_model.image_token_id).int()} if "image_grid_thw" in inputs else {}
+    input_ids, inputs = _reference_inputs(zoo_model, ids, items)
     ref_out, handles = _hook_outputs(ref, taps)
     ref_merged, h0 = _layer0_input(ref, zoo=False)
     try:
-        ref_logits = ref(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **inputs, **extra).logits[0]
+        ref_logits = ref(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **inputs).logits[0]
     finally:
         for h in handles + [h0]:
             h.remove()
@@ -162,9 +215,88 @@ def image_parity(model: str, prompt: str | list[int] | None, images: list, *, to
 
         given = {"image": BaseModelOutputWithPooling(pooler_output=list(feats))}
         lm_only = ref(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_encoder_outputs=given,
-                      **{k: v for k, v in inputs.items() if k == "image_grid_thw"}, **extra).logits[0]
+                      **{k: v for k, v in inputs.items() if k in ("image_grid_thw", "mm_token_type_ids")}).logits[0]
         result.taps.append(_logits("lm_only", ref_logits, lm_only, tol))
+    if items:
+        run = _Scenarios(ref, zoo, ids, items, images, tol, block_size, chunk_tokens,
+                         _text_ids(config, tokenizer, 8))
+        for name in scenarios:
+            result.scenarios[name] = getattr(run, name)()
     return result
+
+
+def _splits(items, starts: list[int]) -> list[int]:
+    """The step starts that fall strictly inside an image's placeholders."""
+    return [s for s in starts if any(it.offset < s < it.offset + it.length for it in items)]
+
+
+class _Scenarios:
+    """The image scenarios through the runtime; the language model's taps (not the embedding: its image rows
+    are the placeholders' before the merge, which the first layer's input replaces) and the logits."""
+
+    def __init__(self, ref, zoo: ZooSide, ids, items, images, tol, block_size, chunk_tokens, words):
+        self.ref, self.zoo, self.ids, self.items, self.images, self.tol = ref, zoo, ids, items, images, tol
+        self.block_size, self.chunk_tokens, self.words = block_size, chunk_tokens, words
+        self.taps = {n for n, role in reference_taps(ref).items() if not n.startswith(VISION_MODULES)
+                     and role != "embed"}
+
+    def reference(self, prompts: list[list[int]]):
+        """transformers' one-shot forward of each prompt with the images (all of them: every prompt here holds
+        the same images), taps captured -> one Trace."""
+        raw, order = [], []
+        for r, ids in enumerate(prompts):
+            input_ids, inputs = _reference_inputs(self.zoo.model, ids, self.items)
+            with Capture(self.ref, {n: n for n in self.taps}, root_output=False) as cap:
+                out = self.ref(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False,
+                               **inputs)
+            step = cap.steps[-1]
+            step.taps[LOGITS] = out.logits.detach().float().cpu()  # [1, L, V]
+            raw.append(([r], len(ids), step.taps, step.experts))
+            order = order or cap.order + [LOGITS]
+        return from_padded(raw, order, prompts)
+
+    def judge(self, name, description, prompts, run, *, only=None, extra_failures=(), info=None) -> ScenarioResult:
+        cmp = compare(self.reference(prompts), run.trace, only=only)
+        fails = list(extra_failures) + run.findings + verdict(cmp, self.tol)
+        return ScenarioResult(name, description, not fails, fails, cmp, first_divergence(cmp, self.tol) if fails
+                              else None, info={"steps": run.num_steps, "encoder": run.encoder, **(info or {})},
+                              tol=self.tol, lengths=list(run.trace.lengths))
+
+    def chunked(self) -> ScenarioResult:
+        """A budget that splits an image (the given one if it does, else the largest smaller one that does)."""
+        n = len(self.ids)
+        budget = next((b for b in range(self.chunk_tokens, 0, -1) if _splits(self.items, list(range(b, n, b)))),
+                      self.chunk_tokens)
+        run = self.zoo.run([self.ids], self.taps, block_size=self.block_size, max_num_batched_tokens=budget,
+                           images=[self.images])
+        starts = [start for segs in run.segments for _, start, count in segs if 0 < start < n]
+        split = _splits(self.items, starts)
+        return self.judge("chunked", f"one {n}-token prompt with {len(self.items)} image(s) in chunks of at most "
+                          f"{budget} tokens: steps start inside an image at {split or 'no position'}",
+                          [self.ids], run, info={"budget": budget, "split_at": split},
+                          extra_failures=[] if split else [f"a budget of {budget} tokens split no image"])
+
+    def prefix(self) -> ScenarioResult:
+        """Request 1: the prompt up to its last image's end, then other text; request 0 cached first."""
+        last = self.items[-1]
+        end = last.offset + last.length
+        after = self.ids[end] if end < len(self.ids) else None
+        tail = [w for w in self.words if w != after][:3]
+        second = self.ids[:end] + tail
+        candidates = [self.block_size] + list(range(self.block_size - 1, 1, -1)) + \
+            list(range(self.block_size + 1, 2 * self.block_size + 1))
+        block = next((b for b in candidates if last.offset < end // b * b < end), self.block_size)
+        run = self.zoo.run([self.ids, second], self.taps, block_size=block, enable_prefix_caching=True,
+                           waves=[[0], [1]], images=[self.images, self.images])
+        hit = run.cached_tokens.get(1, 0)
+        only = [torch.zeros(len(self.ids), dtype=torch.bool), torch.ones(len(second), dtype=torch.bool)]
+        inside = last.offset < hit < end
+        fails = [] if hit > 0 else [f"no prefix-cache hit: the second request computed all {len(second)} tokens"]
+        return self.judge("prefix", f"the prompt, then its first {end} tokens (through the last image, rows "
+                          f"{last.offset}..{end - 1}) with other text, prefix caching with blocks of {block}: "
+                          f"{hit} tokens from the cache" + (", the hit ends inside the image" if inside else ""),
+                          [self.ids, second], run, only=only, extra_failures=fails,
+                          info={"cached_tokens": hit, "block_size": block, "hit_inside_image": inside})
 
 
 def _rows(name, role, ref, got, tol) -> ImageTap:
@@ -188,4 +320,11 @@ def format_image_parity(result: ImageParity) -> str:
         kl = "" if t.kl is None else f"{t.kl:10.2e}"
         lines.append(f"  {t.name:<44} {t.role:<9} {t.rows:5d} {t.rel_l2:10.2e} {t.cosine:12.9f} {kl:>10}"
                      + ("" if t.passed else "  <-"))
+    for name, s in result.scenarios.items():
+        lines.append(f"  image scenario {name:<8} {'pass' if s.passed else 'DIVERGES'}: {s.description}")
+        first = s.first_divergence
+        if first:
+            lines.append(f"    first divergence: {first['tap']} ({short(first['tap'])}; request {first['request']}, "
+                         f"position {first['position']}): rel_l2 {first['rel_l2']:.2e}, cosine {first['cosine']:.6f}")
+        lines += [f"    {f}" for f in s.failures[:4]]
     return "\n".join(lines)

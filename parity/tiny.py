@@ -14,7 +14,15 @@ it is and shrink only sizes, so parity can run in seconds before any weights are
   shrunk      hidden size (from the heads and the kept ratio), intermediate sizes (same ratio to
               hidden), experts (at most 8; DeepSeek groups kept), vocabulary (at most 256), sliding window
               (at most 8, so the default prompts cross it), MLA ranks
-  not shrunk  a multimodal config's vision tower (only its text_config is shrunk)
+  vision      a multimodal config's vision tower too: 4 heads of HEAD_DIM, widths by the same ratios, patch
+              size, merge size, temporal patches and channels kept; CLIP (LLaVA) keeps a layer for each distinct
+              vision_feature_layer depth (signs kept: -2 is still the penultimate layer) and one after the
+              deepest when the original had one (the zoo builds up to the deepest and names the rest ignores),
+              images of 4 x 4 patches; Qwen2-VL keeps 2 blocks, its merger's output width follows the text's
+              hidden size and the text's mrope_section is rescaled to the new head_dim / 2; the special ids
+              (image placeholder, vision start / end, pad) move into the shrunk vocabulary; an image processor
+              for those sizes is saved with the checkpoint (the source's own, resized, when it has a
+              preprocessor_config.json)
 Weights are random (transformers' own init, seeded, initializer_range raised to 0.2 so that attention is
 far from uniform and masking / rotary errors show), then `randomize_constants` replaces what that init
 leaves constant (biases 0, norm weights 1 or Gemma's 0 offsets, router score biases 0), so a dropped
@@ -130,10 +138,13 @@ def _moe_layers(d: dict, n: int) -> list[bool] | None:
 
 
 def shrink_dict(d: dict) -> dict:
-    """The shrunken copy of a config dict (the text part of a multimodal config is shrunk in place)."""
+    """The shrunken copy of a config dict (a multimodal config: its text_config and its vision_config)."""
     d = dict(d)
     if isinstance(d.get("text_config"), dict):
-        d["text_config"] = shrink_dict(d["text_config"])
+        d["text_config"] = text = shrink_dict(d["text_config"])
+        if isinstance(d.get("vision_config"), dict):
+            d["vision_config"] = _shrink_vision(d, dict(d["vision_config"]), text)
+        _remap_special_ids(d, text)
         return d
     if "num_hidden_layers" not in d or "hidden_size" not in d:
         return d
@@ -198,8 +209,105 @@ def shrink_dict(d: dict) -> dict:
     if d.get("sliding_window"):
         d["sliding_window"] = min(d["sliding_window"], MAX_WINDOW)
     _shrink_rope_factors(d)
+    _shrink_mrope_section(d)
     _shrink_ssm(d, hidden=hidden, hidden_new=hidden_new)
     return _shrink_tail(d)
+
+
+VISION_HEADS = 4
+IMAGE_SIDE = 4  # CLIP: images of 4 x 4 patches
+QWEN_VISION_DEPTH = 2
+
+
+def feature_layers_for(layer, n: int) -> tuple[int, int | list[int]]:
+    """LLaVA's vision_feature_layer (an index into the tower's hidden states: 0 the embeddings, n the last layer,
+    negative from the end; or a list of them) for a tower of n layers -> (layers kept, the index or list for them).
+    Each distinct selected depth keeps a layer of its own, in order; a layer follows the deepest when the original
+    had layers past it; layers are added in front up to 3 (never making a selected depth deeper than it was).
+    Signs are kept: -2 stays the penultimate layer, a non-negative index counts from the embeddings."""
+    values = layer if isinstance(layer, list) else [layer]
+    absolute = [v + n + 1 if v < 0 else v for v in values]
+    if any(not 0 <= a <= n for a in absolute):
+        raise ValueError(f"vision_feature_layer={layer!r} is outside a tower of {n} layers")
+    depths = sorted({a for a in absolute if a > 0})
+    rank = {0: 0, **{a: i + 1 for i, a in enumerate(depths)}}
+    tail = int(max(absolute) < n)
+    pad = max(0, min([3 - len(depths) - tail] + [a - rank[a] for a in depths]))
+    n_new = len(depths) + tail + pad
+    new = [rank[a] + (pad if a else 0) for a in absolute]
+    out = [i if v >= 0 else i - (n_new + 1) for v, i in zip(values, new)]
+    return n_new, (out if isinstance(layer, list) else out[0])
+
+
+def _shrink_vision(top: dict, v: dict, text: dict) -> dict:
+    """A vision tower of VISION_HEADS heads of HEAD_DIM (see the module docstring)."""
+    kind = v.get("model_type")
+    if kind == "clip_vision_model":
+        hidden, heads = v["hidden_size"], v["num_attention_heads"]
+        ratio = (hidden // heads) * heads / hidden
+        v["num_attention_heads"] = min(heads, VISION_HEADS)
+        v["hidden_size"] = _round8(v["num_attention_heads"] * HEAD_DIM / ratio)
+        v["intermediate_size"] = _round8(v["intermediate_size"] * v["hidden_size"] / hidden)
+        if v.get("projection_dim"):
+            v["projection_dim"] = min(v["projection_dim"], v["hidden_size"])
+        side = min(v["image_size"] // v["patch_size"], IMAGE_SIDE)
+        v["image_size"] = side * v["patch_size"]
+        v["num_hidden_layers"], top["vision_feature_layer"] = feature_layers_for(
+            top.get("vision_feature_layer", -2), v["num_hidden_layers"])
+        if "image_seq_length" in top:
+            top["image_seq_length"] = side * side
+    elif kind == "qwen2_vl_vision":
+        v["num_heads"] = min(v["num_heads"], VISION_HEADS)
+        v["embed_dim"] = v["num_heads"] * HEAD_DIM
+        v["depth"] = min(v["depth"], QWEN_VISION_DEPTH)
+        v["hidden_size"] = text["hidden_size"]  # the merger writes the language model's embeddings
+        if "spatial_patch_size" in v:
+            v["spatial_patch_size"] = v["patch_size"]
+    else:
+        raise ValueError(f"vision_config.model_type={kind!r}: the shrinker knows clip_vision_model (LLaVA) and "
+                         f"qwen2_vl_vision (Qwen2-VL)")
+    v["dtype"] = "float32"
+    v.pop("torch_dtype", None)
+    return v
+
+
+def _remap_special_ids(top: dict, text: dict) -> None:
+    """A multimodal config's own special ids (image placeholder, vision start / end, pad) past the shrunk
+    vocabulary move to its top free ids, distinct, in their old order; its vocab_size follows the text's."""
+    vocab = text["vocab_size"]
+    if "vocab_size" in top:
+        top["vocab_size"] = vocab
+    ids = lambda value: value if isinstance(value, list) else [value]  # noqa: E731
+    keys = [k for k in top if k.endswith(("_token_id", "_token_index"))]
+    used = {i for k in ("bos_token_id", "eos_token_id", "pad_token_id") for i in ids(text.get(k)) if isinstance(i, int)}
+    used |= {top[k] for k in keys if isinstance(top[k], int) and top[k] < vocab}
+    free = (i for i in range(vocab - 1, 2, -1) if i not in used)
+    moved = {}
+    for old in sorted({top[k] for k in keys if isinstance(top[k], int) and top[k] >= vocab}, reverse=True):
+        moved[old] = next(free)
+    for k in keys:
+        if isinstance(top[k], int) and top[k] in moved:
+            top[k] = moved[top[k]]
+    top["dtype"] = "float32"
+    top.pop("torch_dtype", None)
+
+
+def _shrink_mrope_section(d: dict) -> None:
+    """M-RoPE's (t, h, w) sections of the rotary frequencies follow the new head_dim / 2, in proportion, each >= 1."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    for params in (d.get("rope_scaling"), d.get("rope_parameters")):
+        old = params.get("mrope_section") if isinstance(params, dict) else None
+        if not old or sum(old) == head_dim // 2:
+            continue
+        total, m = sum(old), head_dim // 2
+        new = [max(1, int(s * m / total)) for s in old]
+        for i in sorted(range(len(old)), key=lambda i: -(old[i] * m / total - int(old[i] * m / total))):
+            if sum(new) >= m:
+                break
+            new[i] += 1
+        while sum(new) > m:
+            new[new.index(max(new))] -= 1
+        params["mrope_section"] = new
 
 
 # the SSM mixer's fields: (heads, head dim, state, groups, chunk, expand, dt rank) per model type
@@ -281,4 +389,40 @@ def save_tiny_checkpoint(source, out_dir, *, seed: int = 0) -> Path:
     randomize_constants(model, seed=seed)
     out = Path(out_dir)
     model.save_pretrained(out)
+    image_processor = tiny_image_processor(config, source)
+    if image_processor is not None:
+        image_processor.save_pretrained(out)
     return out
+
+
+def tiny_image_processor(config, source=None):
+    """The image processor for a shrunk multimodal config (None for a text model): the source's own
+    (preprocessor_config.json beside its config, through AutoImageProcessor: its mean, std and resampling kept)
+    or transformers' default for the architecture, with the sizes set to the tiny tower's: CLIP resizes and crops
+    to image_size; Qwen2-VL's pixel bounds allow 2 x 2 to 4 x 4 merged patches."""
+    vc = getattr(config, "vision_config", None)
+    kind = getattr(vc, "model_type", None)
+    if kind not in ("clip_vision_model", "qwen2_vl_vision"):
+        return None
+    src = Path(source) if source is not None else None
+    src = src if src is None or src.is_dir() else src.parent
+    own = None
+    if src is not None and (src / "preprocessor_config.json").is_file():
+        own = transformers.AutoImageProcessor.from_pretrained(src)
+    if kind == "clip_vision_model":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        ip = own or CLIPImageProcessorPil()
+        ip.size = {"shortest_edge": vc.image_size}
+        ip.crop_size = {"height": vc.image_size, "width": vc.image_size}
+        return ip
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    factor = vc.patch_size * vc.spatial_merge_size
+    ip = own or Qwen2VLImageProcessorPil()
+    ip.patch_size, ip.temporal_patch_size, ip.merge_size = vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size
+    ip.size = {"shortest_edge": (2 * factor) ** 2, "longest_edge": (4 * factor) ** 2}  # pixels, min and max
+    for key in ("min_pixels", "max_pixels"):
+        if getattr(ip, key, None) is not None:
+            setattr(ip, key, ip.size["shortest_edge" if key == "min_pixels" else "longest_edge"])
+    return ip

@@ -34,6 +34,8 @@ class ZooRun:
     outputs: dict[int, list[int]] = field(default_factory=dict)  # request -> tokens it generated
     findings: list[str] = field(default_factory=list)  # runtime bookkeeping wrong: positions, sampled rows
     fused_steps: list[bool] = field(default_factory=list)  # served path: per step, did the fused native step run
+    segments: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per step: (request, first token, n)
+    encoder: dict[str, int] = field(default_factory=dict)  # a multimodal engine's encoder runs and cache hits
 
 
 def _watch(engine, segments: list, sampled: list) -> dict:
@@ -66,15 +68,17 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     return state
 
 
-def _drive(engine, prompts, max_tokens, waves) -> dict:
-    """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end."""
+def _drive(engine, prompts, max_tokens, waves, images=None) -> dict:
+    """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end.
+    `images`: per prompt, its images (token prompts whose placeholders are already expanded) or None."""
     from zoo.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     requests = {}
     for wave in waves or [list(range(len(prompts)))]:
         for r in wave:
-            rid = engine.add_request(list(prompts[r]), params, request_id=str(r))
+            rid = engine.add_request(list(prompts[r]), params, request_id=str(r),
+                                     images=images[r] if images is not None else None)
             requests[rid] = engine.scheduler.requests[rid]
         while engine.has_unfinished_requests():
             engine.step()
@@ -143,12 +147,13 @@ def runtime_findings(steps: list[dict]) -> list[str]:
 class ZooSide:
     """The zoo model built once (build_model, float32) and run through a fresh engine per scenario."""
 
-    def __init__(self, path, *, device: str = "cpu", config=None):
+    def __init__(self, path, *, device: str = "cpu", config=None, processor=None):
         from zoo.build import build_model
 
         self.model, self.config, self.spec, self.load_report = build_model(
             path, dtype=torch.float32, device=device, config=config)
         self.device = device
+        self.processor = processor  # a multimodal model's: its engines take images
 
     def tap_names(self, wanted: set[str]) -> dict[str, str]:
         return zoo_tap_names(self.model, self.config, wanted)
@@ -161,12 +166,13 @@ class ZooSide:
         budget = max_num_batched_tokens or max(2048, total)
         return LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
                          block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                         enable_prefix_caching=enable_prefix_caching, device=self.device)
+                         enable_prefix_caching=enable_prefix_caching, device=self.device, processor=self.processor)
 
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
             max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-            waves: list[list[int]] | None = None) -> ZooRun:
-        """Run `prompts` (token ids) through a new engine, greedy, `max_tokens` each.
+            waves: list[list[int]] | None = None, images: list | None = None) -> ZooRun:
+        """Run `prompts` (token ids) through a new engine, greedy, `max_tokens` each; `images[r]`: prompt r's
+        images (its placeholders expanded in the token ids), for a multimodal model built with its processor.
 
         `waves` runs groups of requests one after another (each wave to completion before the next is
         added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once.
@@ -189,7 +195,7 @@ class ZooSide:
             return self.model.compute_logits(hidden).detach().float().cpu()
 
         with Capture(self.model, names, meta=meta, root_output=logits_of_every_row) as cap:
-            requests = _drive(engine, prompts, max_tokens, waves)
+            requests = _drive(engine, prompts, max_tokens, waves, images)
         if len(cap.steps) != len(segments):
             raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(segments)} prepared steps")
 
@@ -211,7 +217,9 @@ class ZooSide:
         cached = dict(watch["first_computed"])
         outs = {int(rid): list(req.output_token_ids) for rid, req in requests.items()}
         findings = runtime_findings(steps)
-        return ZooRun(trace, len(steps), cached, outs, findings)
+        mm = engine.mm
+        encoder = {} if mm is None else {"runs": mm.encoder_runs, "hits": mm.cache.hits}
+        return ZooRun(trace, len(steps), cached, outs, findings, segments=segments, encoder=encoder)
 
     def serve(self, prompts: list[list[int]], *, max_tokens: int, block_size: int = 16) -> ZooRun:
         """The path users run: the same engine with no hooks on the model (the fused native step where it

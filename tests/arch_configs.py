@@ -1,6 +1,7 @@
 """The published config.json of a real checkpoint of each architecture of issue 16 (the fields that matter,
 as published), for `zoo parity --tiny` in tests/test_architectures.py; their tiny configs are in
-tests/tiny_configs.py."""
+tests/tiny_configs.py. MULTIMODAL_CONFIGS: the multimodal architectures' (issue 15) config.json and
+preprocessor_config.json as published, for tests/test_multimodal_parity.py."""
 from __future__ import annotations
 
 # Phi-3-mini-128k-instruct's rope_scaling has 48 short and 48 long factors (head_dim 96); these keep the file's
@@ -85,4 +86,39 @@ REAL_CONFIGS = {
         rope_scaling=dict(rope_type="yarn", beta_fast=32.0, beta_slow=1.0, factor=32.0,
                           original_max_position_embeddings=4096, truncate=False),
         swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, eos_token_id=200002, pad_token_id=199999),
+}
+
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+# architecture -> (config.json, preprocessor_config.json) of a real checkpoint, as published
+MULTIMODAL_CONFIGS = {
+    "LlavaForConditionalGeneration": (  # llava-hf/llava-1.5-7b-hf: Vicuna-7B (Llama) text, CLIP ViT-L/14-336
+        dict(architectures=["LlavaForConditionalGeneration"], ignore_index=-100, image_token_index=32000,
+             model_type="llava", pad_token_id=32001, projector_hidden_act="gelu", tie_word_embeddings=False,
+             torch_dtype="float16", vision_feature_layer=-2, vision_feature_select_strategy="default",
+             vocab_size=32064,
+             text_config=dict(_name_or_path="lmsys/vicuna-7b-v1.5", architectures=["LlamaForCausalLM"],
+                              max_position_embeddings=4096, model_type="llama", rms_norm_eps=1e-05,
+                              torch_dtype="float16", vocab_size=32064),
+             vision_config=dict(hidden_size=1024, image_size=336, intermediate_size=4096,
+                                model_type="clip_vision_model", num_attention_heads=16, num_hidden_layers=24,
+                                patch_size=14, projection_dim=768, vocab_size=32000)),
+        dict(crop_size=dict(height=336, width=336), do_center_crop=True, do_convert_rgb=True, do_normalize=True,
+             do_rescale=True, do_resize=True, image_mean=CLIP_MEAN, image_processor_type="CLIPImageProcessor",
+             image_std=CLIP_STD, processor_class="LlavaProcessor", resample=3, rescale_factor=0.00392156862745098,
+             size=dict(shortest_edge=336))),
+    "Qwen2VLForConditionalGeneration": (  # Qwen/Qwen2-VL-2B-Instruct: the text fields at the top level
+        dict(architectures=["Qwen2VLForConditionalGeneration"], attention_dropout=0.0, bos_token_id=151643,
+             eos_token_id=151645, vision_start_token_id=151652, vision_end_token_id=151653, vision_token_id=151654,
+             image_token_id=151655, video_token_id=151656, hidden_act="silu", hidden_size=1536,
+             initializer_range=0.02, intermediate_size=8960, max_position_embeddings=32768, max_window_layers=28,
+             model_type="qwen2_vl", num_attention_heads=12, num_hidden_layers=28, num_key_value_heads=2,
+             rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=32768, tie_word_embeddings=True,
+             torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
+             vision_config=dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, in_chans=3, hidden_size=1536,
+                                patch_size=14, spatial_merge_size=2, spatial_patch_size=14, temporal_patch_size=2),
+             rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24])),
+        dict(min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+             image_mean=CLIP_MEAN, image_std=CLIP_STD, image_processor_type="Qwen2VLImageProcessor",
+             processor_class="Qwen2VLProcessor")),
 }

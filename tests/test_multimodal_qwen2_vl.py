@@ -115,3 +115,38 @@ def test_image_parity_taps_pass(qwen):
     result = image_parity(str(path), PROMPTS["two"][0], PROMPTS["two"][1])
     assert [t.role for t in result.taps] == ["vision"] * 2 + ["projector", "merged", "logits", "lm_only"]
     assert result.passed, [(t.name, t.rel_l2, t.kl) for t in result.taps]
+
+
+OTHER = random_image(5)  # IMAGES[0]'s size, other pixels
+
+
+def test_other_image_shares_no_image_block_and_the_same_image_encodes_once(qwen):
+    path, _, _, expected = qwen
+    llm = LLM(str(path), block_size=4)
+    mm = llm.engine.mm
+    text, _ = PROMPTS["one"]
+    (first,) = llm.generate(request(text, [IMAGES[0]]), GREEDY)
+    (other,) = llm.generate(request(text, [OTHER]), GREEDY)
+    assert other.prompt_token_ids == first.prompt_token_ids  # an image of the same size: the same text
+    start = first.prompt_token_ids.index(QWEN_IMAGE_TOKEN_ID)
+    assert first.token_ids == expected["one"] and other.token_ids != first.token_ids
+    assert other.num_cached_tokens == start // 4 * 4  # the blocks before the image only
+    assert (mm.encoder_runs, mm.cache.hits) == (2, 0)
+    fresh = LLM(str(path), block_size=4)
+    same = fresh.generate([request(text, [IMAGES[0]])] * 2, GREEDY)  # one step: one encoder run, one hit
+    assert [o.token_ids for o in same] == [expected["one"]] * 2
+    assert (fresh.engine.mm.encoder_runs, fresh.engine.mm.cache.hits) == (1, 1)
+    (again,) = fresh.generate(request(text, [IMAGES[0]]), GREEDY)  # later: its blocks from the prefix cache
+    assert again.token_ids == expected["one"]
+    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 4 * 4
+
+
+def test_tiny_encoder_budget_evicts_and_recomputes_the_same(qwen):
+    path, _, _, expected = qwen
+    rows = max(it.length for it in LLM(str(path)).engine.mm.process("r", PROMPTS["one"][0], [IMAGES[0]])[1])
+    llm = LLM(str(path), block_size=4, encoder_cache_rows=rows, enable_prefix_caching=False)  # one image's room
+    text, _ = PROMPTS["one"]
+    runs = [llm.generate(request(text, [im]), GREEDY)[0].token_ids for im in (IMAGES[0], OTHER, IMAGES[0])]
+    mm = llm.engine.mm
+    assert runs[0] == runs[2] == expected["one"] and runs[1] != runs[0]
+    assert (mm.encoder_runs, mm.cache.evictions, mm.cache.hits) == (3, 2, 0)
