@@ -127,7 +127,7 @@ def run(args) -> int:
 
         print(format_image_parity(images))
     if args.json:
-        write_json(result, args.json)
+        write_json(result, args.json, images=images)
         say(f"wrote {args.json}")
     if args.html:
         write_html(result, args.html)

@@ -83,9 +83,23 @@ def _strict(x):
     return x
 
 
-def write_json(result: ParityResult, path) -> None:
+def images_json(images) -> dict:
+    """parity.multimodal.ImageParity: its one-shot taps and its scenarios (as the text scenarios are written)."""
+    from dataclasses import asdict
+
+    return {"passed": images.passed, "first_divergence": images.first_divergence,
+            "taps": [asdict(t) for t in images.taps],
+            "scenarios": {name: scenario_dict(s) for name, s in images.scenarios.items()}}
+
+
+def write_json(result: ParityResult, path, images=None) -> None:
+    """`images`: the ImageParity of `zoo parity --image`, written under "images" ("passed" then covers both)."""
+    doc = to_json(result)
+    if images is not None:
+        doc["images"] = images_json(images)
+        doc["passed"] = doc["passed"] and images.passed
     with open(path, "w") as f:
-        json.dump(_strict(to_json(result)), f, indent=1, allow_nan=False)
+        json.dump(_strict(doc), f, indent=1, allow_nan=False)
 
 
 def _e(x) -> str:

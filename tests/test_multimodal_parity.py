@@ -119,10 +119,13 @@ def test_cli_tiny_with_an_image(tmp_path, capsys):
     full = write_real("Qwen2VLForConditionalGeneration", tmp_path / "full")
     IMAGES[0].save(tmp_path / "a.png")
     assert main(["parity", "--tiny", str(full), "--image", str(tmp_path / "a.png"), "--scenario", "prefill",
-                 "--quiet"]) == 0
+                 "--quiet", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "image parity (Qwen2VLForConditionalGeneration): pass" in out
     assert "image scenario chunked  pass" in out and "image scenario prefix   pass" in out
+    doc = json.loads((tmp_path / "r.json").read_text())["images"]
+    assert doc["passed"] and [t["role"] for t in doc["taps"]][-2:] == ["logits", "lm_only"]
+    assert set(doc["scenarios"]) == {"chunked", "prefix"} and doc["scenarios"]["prefix"]["passed"]
 
 
 # -- planted runtime bugs: the image scenarios fail where the bug is --------------------------------------------------
