@@ -14,6 +14,7 @@ from torch import nn
 from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from plugins.mixtral import validate_moe  # (GptOssConfig.num_experts is num_local_experts)
 from registry import ArchSpec, hookimpl
+from zoo.layers.moe import grouped_linear, on_device_path, sort_by_expert
 
 
 class GptOssAttention(LlamaAttention):
@@ -46,15 +47,24 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # [E, I, H]
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
 
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[:, ::2].clamp(max=self.limit)  # [n, I]
+        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)  # [n, I]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # [n, I]
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if on_device_path(x):  # the same, as two grouped GEMMs over the rows sorted by expert (no host read)
+            order, token_of, offsets, expert_of = sort_by_expert(ids, self.gate_up_proj.shape[0])  # [A], .., [E+1]
+            gate_up = grouped_linear(x[token_of], self.gate_up_proj.transpose(1, 2), offsets, self.gate_up_proj_bias,
+                                     expert_of)  # [A, 2I]
+            y = grouped_linear(self.act(gate_up), self.down_proj.transpose(1, 2), offsets, self.down_proj_bias,
+                               expert_of)  # [A, H]
+            return torch.zeros_like(x).index_add_(0, token_of, y * weights.reshape(-1)[order, None].to(y.dtype))
         out = torch.zeros_like(x)  # [T, H]
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)  # the n tokens routed to e, and at which of their k
             gate_up = x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
-            gate = gate_up[:, ::2].clamp(max=self.limit)  # [n, I]
-            up = gate_up[:, 1::2].clamp(-self.limit, self.limit)  # [n, I]
-            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # [n, I]
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+            y = self.act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
         return out
 

@@ -153,6 +153,8 @@ def test_grouped_gemm(interpreted, counts):
     w = torch.randn(len(counts), 24, 40, generator=g)
     offsets = offsets_of(counts)
     close(interpreted[1].grouped_gemm(x, w, offsets), triton_kernels.grouped_gemm_ref(x, w, offsets))
+    wt = torch.randn(len(counts), 40, 24, generator=g).transpose(1, 2)  # gpt-oss's [E, K, N], as a view
+    close(interpreted[1].grouped_gemm(x, wt, offsets), triton_kernels.grouped_gemm_ref(x, wt, offsets))
 
 
 def test_moe_device_path_equals_the_expert_loop(interpreted, monkeypatch):

@@ -35,6 +35,31 @@ from zoo.layers.linear import Linear, linear
 from zoo.layers.mlp import FUSED_ACTS, act_and_mul, activation
 
 
+def on_device_path(x: torch.Tensor) -> bool:
+    """Whether experts take the device path for x (an accelerator, or forced: zoo.kernels.set_device_path)."""
+    return kernels.device_path(x)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """The assignments of topk_ids [T, K] grouped by expert, token order kept, without a host read:
+    (order [A] into the flattened assignments, token_of [A], offsets [E+1] of each expert's rows, expert_of [A])."""
+    flat_ids = topk_ids.reshape(-1)  # [A]
+    order = torch.argsort(flat_ids, stable=True)  # [A]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))  # [E] (bincount sizes its output on the host)
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [E+1]
+    return order, order // topk_ids.shape[1], offsets, flat_ids[order]
+
+
+def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None,
+                   expert_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows x_sorted [A, K] of expert e (offsets[e]:offsets[e+1]) times weight[e] ([E, N, K]; a transposed view
+    of [E, K, N] is fine), plus bias[e] ([E, N], with expert_of [A]) -> [A, N]: one grouped GEMM
+    (zoo.kernels.triton.grouped_gemm: Triton on CUDA, its torch reference elsewhere)."""
+    y = triton_kernels.grouped_gemm(x_sorted, weight, offsets)  # [A, N]
+    return y if bias is None else y + bias[expert_of]
+
+
 class TopKRouter(nn.Module):
     """Scores every expert for every token and keeps the top k.
 
@@ -114,18 +139,11 @@ class StackedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; on CPU summed in expert-id order, as transformers
 
     def grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The device path: the same computation with no host read (the experts' loads stay on the device);
-        each GEMM is one grouped GEMM over the sorted rows (zoo.kernels.triton: Triton on CUDA)."""
-        k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)  # [A]
-        order = torch.argsort(flat_ids, stable=True)  # [A]
-        token_of = order // k  # [A]
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat_ids, torch.ones_like(flat_ids))  # [E] (bincount sizes its output on the host)
-        offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [E+1]
-        gate_up = triton_kernels.grouped_gemm(x[token_of], self.gate_up_proj.weight, offsets)  # [A, 2I]
-        y_sorted = triton_kernels.grouped_gemm(act_and_mul(gate_up, self.act, self.kind), self.down_proj.weight,
-                                               offsets)  # [A, H]
+        """The device path: the same computation with no host read (the experts' loads stay on the device),
+        each GEMM one grouped GEMM over the sorted rows (Triton on CUDA)."""
+        order, token_of, offsets, _ = sort_by_expert(topk_ids, self.num_experts)  # [A], [A], [E+1]
+        gate_up = grouped_linear(x[token_of], self.gate_up_proj.weight, offsets)  # [A, 2I]
+        y_sorted = grouped_linear(act_and_mul(gate_up, self.act, self.kind), self.down_proj.weight, offsets)  # [A, H]
         weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
         return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]
 

@@ -12,17 +12,23 @@ step reads them (kernels.pack_weights), the KV caches live in transparent huge p
 and the steps of a Llama-structured model run as one native call
 (zoo.kernels.fused: the same kernels as the module path, equal logits bit for bit, no per-layer Python);
 other steps, other models and hooked models (parity taps) run the modules.
+The device path (CUDA, or forced on the CPU with ZOO_DEVICE_PATH=1 / kernels.set_device_path): the modules with
+the Triton kernels (their torch references on the CPU), the step's metadata in one host-to-device copy
+(`one_copy`), and no host read inside the model's forward (forced on the CPU: zoo.kernels.host_sync raises on one).
 `last_timings` holds the seconds each phase of the latest step took, and its requests and tokens
 (bench/generate.py reports them).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
 import torch
 
 from zoo import kernels
+from zoo.kernels import host_sync
+from zoo.kernels import triton as triton_kernels
 from zoo.kernels.fused import FusedDecoder
 from zoo.runtime.batch import CacheSpec, ForwardBatch
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
@@ -33,6 +39,16 @@ from zoo.runtime.scheduler import SchedulerOutput
 from zoo.runtime.state_pool import allocate_states, apply_copies
 
 
+def one_copy(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """The lists as int64 tensors on `device`, in one host-to-device copy (pinned, asynchronous on CUDA)."""
+    host = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        host = host.to(device)
+    return list(host.split([len(values) for values in lists]))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, specs: dict[str, CacheSpec], num_blocks: int, block_size: int,
                  *, device: torch.device | str = "cpu", state_specs: dict | None = None, num_state_slots: int = 0,
@@ -41,6 +57,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         native = self.device.type == "cpu" and kernels.enabled()
+        # the device path (an accelerator, or forced on the CPU: kernels.set_device_path): no native kernels,
+        # the batch's metadata copied in one transfer, no host read inside a step (checked when forced)
+        self.device_path = kernels.device_path(torch.empty(0, device=self.device))
         if native:  # the same tensors, in transparent huge pages
             self.kv_caches = kernels.huge_empty({p: ((num_blocks, block_size, *s.per_token), s.dtype)
                                                  for p, s in specs.items()})
@@ -55,12 +74,20 @@ class ModelRunner:
         self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
         self.last_timings: dict[str, float] = {}  # seconds of prepare / forward / logits / sample; requests, tokens
         self.packed_bytes = kernels.pack_weights(model) if native else 0
-        built = FusedDecoder.qualify(model, self.kv_caches) if native else "the device is not the CPU"
+        built = FusedDecoder.qualify(model, self.kv_caches) if native else \
+            "the device path is forced (ZOO_DEVICE_PATH)" if self.device_path and self.device.type == "cpu" else \
+            "the device is not the CPU" if self.device.type != "cpu" else "the native kernels are off"
         self.fused = built if isinstance(built, FusedDecoder) else None
         # which path a step takes, and why (zoo run says it; docs/plugins.md: what keeps a model on the fast one)
         self.step_path = "fused native step (one call per step)" if self.fused is not None else \
-            f"module path ({'native kernels per module' if native else 'torch'}): the fused step does not apply: {built}"
+            f"module path ({'native kernels per module' if native else self._kernels()}): the fused step does not apply: {built}"
         self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
+
+    def _kernels(self) -> str:
+        if not self.device_path:
+            return "torch"
+        return "device path, the Triton kernels' torch references" if self.device.type == "cpu" or \
+            triton_kernels.missing() else "device path, Triton kernels"
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         bs = self.block_size
@@ -91,14 +118,27 @@ class ModelRunner:
         flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]  # [B * MB], padded with 0
 
         dev = self.device
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
+        states = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled] if self.ssm_states else []
+        if self.device_path:  # every field in one host buffer, copied to the device once
+            qsl_t, seq_t, positions_t, slots_t, tables_t, rows_t, input_ids, states_t = one_copy(
+                dev, qsl, seq_lens, positions, slots, flat_tables, sample_rows + prompt_rows, ids, states)
+            qsl_t, seq_t, tables_t = qsl_t.to(torch.int32), seq_t.to(torch.int32), tables_t.to(torch.int32)
+        else:
+            qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+            seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
+            slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            tables_t = torch.tensor(flat_tables, dtype=torch.int32, device=dev)
+            rows_t = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
+            states_t = torch.tensor(states, dtype=torch.int64, device=dev)
         batch = ForwardBatch(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=qsl_t,
+            seq_lens=seq_t,
             positions=positions_t,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(flat_tables, dtype=torch.int32, device=dev).view(len(tables), width),
-            logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev),
+            slot_mapping=slots_t,
+            block_tables=tables_t.view(len(tables), width),
+            logits_indices=rows_t,
             kv_caches=self.kv_caches,
             block_size=bs,
             query_start_loc_cpu=qsl,
@@ -108,13 +148,12 @@ class ModelRunner:
             apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)
         if self.ssm_states:  # each request's state slot; it holds a state only once tokens were computed
             batch.ssm_states = self.ssm_states
-            batch.state_indices_cpu = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled]
+            batch.state_indices_cpu = states
             batch.has_initial_state_cpu = [s.num_computed_tokens > 0 for s in out.scheduled]
-            batch.state_indices = torch.tensor(batch.state_indices_cpu, dtype=torch.int64, device=dev)
+            batch.state_indices = states_t
         if self.mm is not None:  # image features for the placeholder rows this step covers (encoded if new)
             batch.mm_positions, batch.mm_embeds = self.mm.gather(out.scheduled, qsl)  # [M], [M, H]
             batch.mrope_positions = self.mm.positions_3d(out.scheduled, dev)  # [3, T] or None
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
         return input_ids, positions_t, batch
 
     @torch.inference_mode()
@@ -125,14 +164,16 @@ class ModelRunner:
         t1 = time.perf_counter()
         reqs = [s.request for s in out.scheduled if s.samples]
         shape = dict(requests=len(out.scheduled), tokens=len(input_ids))
+        guard = host_sync.forbid() if self.device_path and self.device.type == "cpu" else contextlib.nullcontext()
         if self.fused is not None and self.fused.usable(input_ids, batch):
             logits = self.fused(input_ids, positions, batch)  # [N, V], forward and head in one call
             t2 = t3 = time.perf_counter()
         else:
-            hidden = self.model(input_ids, positions, batch)  # [T, H]
-            t2 = time.perf_counter()
-            logits = self.model.compute_logits(hidden[batch.logits_indices]) \
-                if len(batch.logits_indices) else None  # [N + P, V]
+            with guard:  # (forced device path on the CPU: no host read inside the model's step)
+                hidden = self.model(input_ids, positions, batch)  # [T, H]
+                t2 = time.perf_counter()
+                logits = self.model.compute_logits(hidden[batch.logits_indices]) \
+                    if len(batch.logits_indices) else None  # [N + P, V]
             t3 = time.perf_counter()
         if self.prompt_targets:  # the rows after the N sampled ones: prompt tokens' logprobs
             add_prompt_logprobs(logits[len(reqs):], self.prompt_targets)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_kernel(x_ptr, x_s0, w_ptr, w_s0, w_s1, y_ptr, y_s0, offsets_ptr, tile_cum_ptr, N, K,
+def _grouped_gemm_kernel(x_ptr, x_s0, w_ptr, w_s0, w_s1, w_s2, y_ptr, y_s0, offsets_ptr, tile_cum_ptr, N, K,
                          E: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     p = tl.program_id(0)
@@ -40,7 +40,7 @@ def _grouped_gemm_kernel(x_ptr, x_s0, w_ptr, w_s0, w_s1, y_ptr, y_s0, offsets_pt
         k_ok = (k0 + ks) < K
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_s0 + (k0 + ks)[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
-        w = tl.load(w_ptr + e.to(tl.int64) * w_s0 + cols[:, None] * w_s1 + (k0 + ks)[None, :],
+        w = tl.load(w_ptr + e.to(tl.int64) * w_s0 + cols[:, None] * w_s1 + (k0 + ks)[None, :] * w_s2,
                     mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_s0 + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -49,19 +49,20 @@ def _grouped_gemm_kernel(x_ptr, x_s0, w_ptr, w_s0, w_s1, y_ptr, y_s0, offsets_pt
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, block_m: int = 16,
                  block_n: int = 64, block_k: int = 32) -> torch.Tensor:
-    """x [A, K] (rows sorted by expert), w [E, N, K], offsets [E+1] (device, int) -> y [A, N]."""
+    """x [A, K] (rows sorted by expert), w [E, N, K] (any strides: a transposed [E, K, N] too), offsets [E+1]
+    (device, int) -> y [A, N]."""
     a, k = x.shape
     e, n, k2 = w.shape
-    if k2 != k or offsets.shape != (e + 1,) or x.stride(1) != 1 or w.stride(2) != 1:
+    if k2 != k or offsets.shape != (e + 1,) or x.stride(1) != 1:
         raise ValueError(f"grouped_gemm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}: "
-                         f"expected [A, K], [E, N, K] and [E+1] with unit last strides")
+                         f"expected [A, K], [E, N, K] and [E+1] with x's last stride 1")
     y = torch.empty(a, n, dtype=x.dtype, device=x.device)
     if a == 0:
         return y
     tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m  # [E] row tiles per expert (on the device)
     tile_cum = torch.cat((tiles.new_zeros(1), tiles.cumsum(0))).to(torch.int32)  # [E+1]
     grid = (triton.cdiv(a, block_m) + e, triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](x, x.stride(0), w, w.stride(0), w.stride(1), y, y.stride(0),
+    _grouped_gemm_kernel[grid](x, x.stride(0), w, w.stride(0), w.stride(1), w.stride(2), y, y.stride(0),
                                offsets.to(torch.int32), tile_cum, n, k, E=e, EP=triton.next_power_of_2(e),
                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
