@@ -382,8 +382,12 @@ CASES = (
 # -- running a case --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A sharded tiny Llama checkpoint (index + shards), saved by transformers."""
-    return save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("base") / "m", max_shard_size="20KB")
+    """A sharded tiny Llama checkpoint (index + shards), saved by transformers, with a tokenizer (zoo run checks
+    for one before it reads a weight: without one, every case would stop there)."""
+    from test_cli_run import save_word_tokenizer
+
+    return save_word_tokenizer(save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("base") / "m",
+                                         max_shard_size="20KB"))
 
 
 @pytest.fixture

@@ -173,3 +173,44 @@ def test_chat_with_image_parts(tiny, tmp_path):
         assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids, part["type"]
     with pytest.raises(ValueError, match="URLs are not fetched"):
         engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+
+
+def test_images_over_the_openai_server(tiny, tmp_path):
+    """zoo serve's chat takes images as vLLM serves them (image_url parts, data: URLs): the official openai client
+    against the app (in process: FastAPI's TestClient as its HTTP client) gets the text of transformers' greedy
+    tokens for that image; a URL, a path-like string, bad base64 and undecodable bytes are 400s naming messages."""
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from zoo.runtime.server import create_app
+
+    path, expected = tiny
+    engine = llm(path)
+    (offline,) = engine.generate(request(*PROMPTS["one"]), GREEDY)
+    assert offline.token_ids == expected["one"]  # (the runtime's tokens are transformers')
+    buf = io.BytesIO()
+    IMAGES[0].save(buf, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    def chat(client, image_url):
+        return client.chat.completions.create(model="llava", temperature=0, max_tokens=STEPS,
+                                              extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": [
+                                                  {"type": "text", "text": "w1"},
+                                                  {"type": "image_url", "image_url": {"url": image_url}},
+                                                  {"type": "text", "text": "w2 w3"}]}])
+
+    with TestClient(create_app(engine, served_model_name="llava")) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        got = chat(client, data)
+        assert got.choices[0].message.content == offline.text and got.usage.prompt_tokens == len(
+            offline.prompt_token_ids)
+        bad = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+        for url, why in [("https://x/y.png", "data: URL"), (str(tmp_path / "img.png"), "data: URL"),
+                         ("data:image/png;base64,%%%", "not base64"), (bad, "cannot be decoded")]:
+            with pytest.raises(openai.BadRequestError, match=why) as e:
+                chat(client, url)
+            assert e.value.body["param"] == "messages"
+        assert chat(client, data).choices[0].message.content == offline.text  # still serving

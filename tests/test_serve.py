@@ -222,6 +222,9 @@ def test_a_bad_request_is_a_400_naming_the_field(client, kwargs, field):
 def test_bad_chat_requests_and_a_bad_key(client, server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=NAME, messages=[])
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     with pytest.raises(openai.BadRequestError, match="prompt"):  # a token id outside the vocabulary
         client.completions.create(model=NAME, prompt=[1, 2, 10 ** 6])
     with pytest.raises(openai.NotFoundError, match="model"):

@@ -36,10 +36,7 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     check_layers(config, source)
     spec = get_registry().resolve(config)
     if spec.validate is not None:
-        try:
-            spec.validate(config)
-        except ValueError as e:
-            raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
+        validate_spec(spec, config)
     if tp is not None and tp.size > 1:
         model, rules = tensor_parallel_model(spec, config, tp.size)
     else:
@@ -59,6 +56,14 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
 
         parallelize(model, rules, tp.rank, config.vocab_size)
     return model.eval(), config, spec, report
+
+
+def validate_spec(spec, config) -> None:
+    """The plugin's own check of the config (ArchSpec.validate): a ConfigError naming the architecture."""
+    try:
+        spec.validate(config)
+    except ValueError as e:
+        raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
 
 
 def rules_for(spec, model) -> loader.Rules:

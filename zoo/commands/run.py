@@ -40,12 +40,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of "
                                                                 "the tokenizer's")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_model_arguments(parser)
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
                              "the prompt unless the prompt holds it")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N ranks (spawned here, gloo on the CPU; default 1)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of where a model comes from, shared by zoo run and zoo serve (vLLM's names and meanings)."""
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tokenizer", metavar="PATH_OR_ID", help="a tokenizer directory, .gguf file or hub id to "
+                                                                  "use instead of the model's (its chat template too)")
+    parser.add_argument("--revision", metavar="REV", help="the hub id's branch, tag or commit (default: main); "
+                                                          "resolved through huggingface_hub, offline from its cache")
+
+
+class Refused(Exception):
+    """A check that needs no weights failed (LLM(check=...)): one line, exit status 2, nothing loaded."""
 
 
 class Progress:
@@ -103,7 +116,8 @@ def run(args) -> int:
             return _fail(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}", 2)
     if args.tensor_parallel_size < 1:
         return _fail(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", 2)
-    llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
+    llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                check=lambda llm: _before_weights(llm, args, template))
     if isinstance(llm, int):
         return llm
     from zoo.runtime.distributed import TensorParallelError
@@ -117,16 +131,24 @@ def run(args) -> int:
         llm.close()
 
 
-def _run_loaded(llm, args, params, template: str | None) -> int:
+def _before_weights(llm, args, template: str | None) -> None:
+    """What zoo run needs that no weight decides, checked before the weights are read: a tokenizer, a chat
+    template for --chat, a model that takes images for --image."""
     tok = llm.tokenizer
     if tok is None:
-        return _fail(f"{llm.files.name} has no tokenizer files; zoo run needs one", 2)
+        raise Refused(f"{llm.files.name} has no tokenizer files; zoo run needs one (or give --tokenizer)")
     if template is not None:
         tok.chat_template = template
-    has_template = bool(getattr(tok, "chat_template", None))
-    if args.chat and not has_template:
-        return _fail(f"--chat: the tokenizer of {llm.files.name} has no chat template", 2)
-    chat = has_template if args.chat is None else args.chat
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise Refused(f"--chat: the tokenizer of {llm.files.name} has no chat template (give --chat-template)")
+    if args.image and llm.spec.family != "multimodal":
+        raise Refused(f"--image: {llm.files.name} ({llm.spec.architectures[0]}) takes no images")
+    if args.image and args.prompt is None and sys.stdin.isatty():
+        raise Refused("--image needs --prompt (or a prompt on stdin)")
+
+
+def _run_loaded(llm, args, params, template: str | None) -> int:
+    chat = bool(getattr(llm.tokenizer, "chat_template", None)) if args.chat is None else args.chat
     history = [{"role": "system", "content": args.system}] if (chat and args.system) else []
 
     if args.prompt is not None or not sys.stdin.isatty():
@@ -268,9 +290,10 @@ def _load(args, **engine):
     progress = Progress()
     try:
         progress("starting")
-        llm = LLM(args.model, dtype=args.dtype, progress=progress, **engine)
+        llm = LLM(args.model, dtype=args.dtype, progress=progress, tokenizer=args.tokenizer, revision=args.revision,
+                  **engine)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
-            TensorParallelError) as e:
+            TensorParallelError, Refused) as e:
         progress.done("failed")
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
     except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)

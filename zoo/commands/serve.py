@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "checkpoint's name)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once (default 64)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    from zoo.commands.run import add_model_arguments
+
+    add_model_arguments(parser)  # --dtype, --tokenizer, --revision
 
 
 def run(args) -> int:

@@ -78,10 +78,11 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # -- any thread --------------------------------------------------------------------------------
-    def add(self, prompt, params: SamplingParams, sink: Sink, *, request_id: str | None = None) -> str:
-        """Add a request; a ValueError (naming the field) when the engine refuses it."""
+    def add(self, prompt, params: SamplingParams, sink: Sink, *, request_id: str | None = None, images=None) -> str:
+        """Add a request (`images`: for a model that takes them); a ValueError (naming the field) when the engine
+        refuses it."""
         with self._lock:
-            rid = self.engine.add_request(prompt, params, request_id=request_id)
+            rid = self.engine.add_request(prompt, params, request_id=request_id, images=images)
             self._sinks[rid] = sink
             self._times[rid] = time.monotonic()
             self.prompt_tokens += self.engine.scheduler.requests[rid].num_prompt_tokens

@@ -22,7 +22,7 @@ import torch
 from zoo.runtime import chat_template
 from zoo.runtime.engine import LLMEngine, RequestOutput
 from zoo.runtime.model_files import (load_config, load_generation_config, load_processor, load_tokenizer,
-                                     resolve_model)
+                                     resolve_model, resolve_tokenizer)
 from zoo.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict  # a dict as vLLM's: {"prompt" or "prompt_token_ids", "multi_modal_data": {"image"}}
@@ -42,15 +42,28 @@ class LLM:
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, tokenizer: str | None = None, revision: str | None = None,
+                 check: Callable[["LLM"], None] | None = None):
+        """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
+        the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
+        the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
+        `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop."""
+        from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
-        self.files = resolve_model(model)
+        self.files = resolve_model(model, revision=revision)
         say(f"reading config and tokenizer of {self.files.name}")
         config = load_config(self.files, light=True)  # (a GGUF's cached config: no transformers config import)
-        self.tokenizer = load_tokenizer(self.files)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(tokenizer) if tokenizer is not None else self.files)
+        self.config, self.spec = config, get_registry().resolve(config)  # an unsupported architecture: here
+        if self.spec.validate is not None:
+            from zoo.build import validate_spec
+
+            validate_spec(self.spec, config)
+        if check is not None:
+            check(self)
         say(f"loading weights of {self.files.name}")
         self.tp_group = None
         if tensor_parallel_size != 1:  # ranks 1.. spawned here, each loading its slices (zoo/runtime/distributed.py)

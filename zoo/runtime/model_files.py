@@ -32,6 +32,9 @@ from zoo import paths
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
               "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what a hub snapshot is fetched with before its weights (config, tokenizer, index, chat template, processor)
+HUB_SMALL_FILES = ("*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 # Config fields that, when set, must be integers > 0 (or >= 0): a model cannot be built from anything else
 POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
@@ -69,7 +72,15 @@ class ModelFiles:
         return self.model_id if not Path(self.model_id).is_absolute() else Path(self.model_id).name
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
+def resolve_model(model: str | os.PathLike | None, *, revision: str | None = None) -> ModelFiles:
+    """The files of MODEL. `revision` (a hub id's branch, tag or commit, as vLLM's --revision) is for hub ids:
+    with a local path it is a ModelNotFound saying so."""
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ModelNotFound(f"revision={revision!r}: expected a branch, tag or commit of a hub repository")
+    if model is None or Path(os.path.expanduser(str(model))).exists():
+        if revision is not None:
+            raise ModelNotFound(f"--revision {revision}: {model or 'the embedded default model'} is a local file or "
+                                f"directory; a revision applies to hub ids (org/name) only")
     if model is None:
         from zoo.default_model import default_model_path
 
@@ -93,7 +104,28 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
     name = str(model)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise ModelNotFound(f"{name}: no such file or directory, and not a hub id of the form org/name")
-    snapshot = _from_hub(name)
+    snapshot = _from_hub(name, revision)
+    _check_side_files(snapshot)
+    return ModelFiles(snapshot, snapshot, None, name)
+
+
+def resolve_tokenizer(tokenizer: str | os.PathLike) -> ModelFiles:
+    """The files of a tokenizer given apart from the model (vLLM's --tokenizer): a directory holding tokenizer
+    files (no config.json needed), a .gguf file, or a hub id (its tokenizer files only are fetched)."""
+    path = Path(os.path.expanduser(str(tokenizer)))
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFound(f"--tokenizer {path}: a file must be a .gguf; otherwise give the tokenizer's directory")
+        return _gguf(path)
+    if path.is_dir():
+        _check_side_files(path)
+        if not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ModelNotFound(f"--tokenizer {path}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+        return ModelFiles(path, path, None, str(path.resolve()))
+    name = str(tokenizer)
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise ModelNotFound(f"--tokenizer {name}: no such file or directory, and not a hub id of the form org/name")
+    snapshot = _from_hub(name, None, weights=False)
     _check_side_files(snapshot)
     return ModelFiles(snapshot, snapshot, None, name)
 
@@ -117,20 +149,38 @@ def _gguf(path: Path) -> ModelFiles:
     return ModelFiles(path, path.parent, path.name, str(path), header)
 
 
-def _from_hub(repo_id: str) -> Path:
+def _from_hub(repo_id: str, revision: str | None = None, *, weights: bool = True) -> Path:
+    """The local snapshot of a hub repository, through huggingface_hub's snapshot_download (its progress bars,
+    its cache; HF_HUB_OFFLINE: the cache only): the config, tokenizer and other small files first, then only the
+    weight files the index names (else every *.safetensors). ModelNotFound, one line, when it cannot."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    from loader.problems import SourceError
+
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    kw = dict(revision=revision, local_files_only=offline)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
+        path = Path(snapshot_download(repo_id, allow_patterns=list(HUB_SMALL_FILES), **kw))
+        if weights:
+            patterns = ["*.safetensors"]
+            if (path / "model.safetensors.index.json").is_file():
+                from loader.sources import _weight_map
+
+                patterns = sorted(set(_weight_map(path / "model.safetensors.index.json").values()))
+            path = Path(snapshot_download(repo_id, allow_patterns=patterns, **kw))
+        return path
+    except SourceError:  # (the index is malformed: said as the loader says it)
+        raise
     except Exception as e:
+        at = f" at revision {revision!r}" if revision else ""
+        get = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         if offline:  # the usual case here: say how to get it, in one line
-            raise ModelNotFound(f"hub model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                                f"is set: get it with `hf download {repo_id}`, or unset HF_HUB_OFFLINE") from None
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ModelNotFound(f"hub model {repo_id!r} is not available on the hub: {type(e).__name__}: {first} "
-                            f"(check the id; a gated model needs `hf auth login`)") from None
+            raise ModelNotFound(f"hub model {repo_id!r}{at} is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                                f"is set: get it with `{get}`, or unset HF_HUB_OFFLINE") from None
+        if type(e).__name__ == "RevisionNotFoundError":
+            raise ModelNotFound(f"hub model {repo_id!r} has no revision {revision!r} (a branch, tag or commit)") from None
+        raise ModelNotFound(f"hub model {repo_id!r}{at} is not available: {type(e).__name__}: {first_line(e)} "
+                            f"(check the id and the network; a gated model needs `hf auth login`)") from None
 
 
 # -- config, generation config, tokenizer --------------------------------------------------------------
@@ -402,8 +452,7 @@ def load_tokenizer(files: ModelFiles):
             return tok
     from transformers import AutoTokenizer
 
-    if not kw and not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                              "tokenizer.model", "vocab.json")):
+    if not kw and not any((directory / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
         return AutoTokenizer.from_pretrained(directory, **kw)

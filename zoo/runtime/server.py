@@ -13,7 +13,8 @@ ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, all
 prompt_logprobs (the response's `prompt_logprobs`: per prompt token None for the first, then {token id:
 {"logprob", "decoded_token"}}; on each completion choice, at the top of a chat response). /v1/completions takes
 `echo` (the prompt's text before the completion's; with `logprobs`, the prompt tokens' logprobs first, the
-first one null). `n` samples are n engine requests with the same prompt (the prefix cache shares its blocks);
+first one null). Chat messages may hold images as vLLM serves them: image_url parts with data: URLs, for a
+multimodal checkpoint. `n` samples are n engine requests with the same prompt (the prefix cache shares its blocks);
 with a seed, sample j gets seed + j.
 """
 
@@ -141,41 +142,67 @@ class OpenAIServer:
         raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                   "prompt")
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_prompt(self, body: dict) -> tuple[list[int], list | None]:
+        """(prompt token ids, the images or None). Content parts: text, and for a model that takes images,
+        {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} as vLLM serves them (a data: URL
+        only: the server neither fetches URLs nor opens paths its clients name)."""
+        import base64
+        import binascii
+
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages must be a non-empty list of {role, content} objects", "messages")
-        plain = []
+        plain, images = [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
             content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                           for c in content):
-                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-                content = "".join(c["text"] for c in content)
+            if isinstance(content, list):  # content parts: text, images
+                parts = []
+                for j, c in enumerate(content):
+                    kind = c.get("type") if isinstance(c, dict) else None
+                    if kind == "text" and isinstance(c.get("text"), str):
+                        parts.append({"type": "text", "text": c["text"]})
+                        continue
+                    if kind != "image_url":
+                        raise bad(f"messages[{i}].content[{j}]: only text and image_url parts are supported",
+                                  "messages")
+                    if self.engine.mm is None:
+                        raise bad(f"messages[{i}].content[{j}]: {self.model_name} takes no images", "messages")
+                    url = c.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+                        raise bad(f"messages[{i}].content[{j}].image_url: give the image as a data: URL "
+                                  f"(data:image/png;base64,...); URLs are not fetched", "messages")
+                    try:
+                        images.append(base64.b64decode(url.partition(",")[2], validate=True))
+                    except (binascii.Error, ValueError):
+                        raise bad(f"messages[{i}].content[{j}].image_url: the data: URL is not base64",
+                                  "messages") from None
+                    parts.append({"type": "image"})
+                content = parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
             if content is None:
                 content = ""
-            if not isinstance(content, str):
-                raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+            if not isinstance(content, (str, list)):
+                raise bad(f"messages[{i}].content must be a string or a list of content parts", "messages")
             plain.append({"role": m["role"], "content": content})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad(f"{self.model_name} has no chat template: use /v1/completions", "messages")
         try:
-            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name)
+            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name), images or None
         except ValueError as e:
             raise bad(str(e).removesuffix("; use --no-chat"), "messages") from None
 
     # -- requests into the engine loop ------------------------------------------------------------------
-    def start(self, prompts_params: list[tuple[object, SamplingParams]], rid: str, field: str, queue, aloop
-              ) -> list[str]:
-        """Add every (prompt, params), each choice's outputs arriving on `queue` as (index, item); all or none."""
+    def start(self, prompts_params: list[tuple], rid: str, field: str, queue, aloop) -> list[str]:
+        """Add every (prompt, params[, images]), each choice's outputs arriving on `queue` as (index, item); all or
+        none."""
         added = []
         try:
-            for i, (prompt, params) in enumerate(prompts_params):
+            for i, job in enumerate(prompts_params):
+                prompt, params, images = job if len(job) == 3 else (*job, None)
                 sink = (lambda i: lambda item: aloop.call_soon_threadsafe(queue.put_nowait, (i, item)))(i)
-                added.append(self.loop.add(prompt, params, sink, request_id=f"{rid}-{i}"))
+                added.append(self.loop.add(prompt, params, sink, request_id=f"{rid}-{i}", images=images))
         except ValueError as e:
             for a in added:
                 self.loop.abort(a)
@@ -315,7 +342,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
     async def chat_completions(request: Request):
         body = await json_body(request)
         n = server.n_of(body)
-        ids = await asyncio.to_thread(server.chat_prompt, body)
+        ids, images = await asyncio.to_thread(server.chat_prompt, body)
         want_lp = body.get("logprobs", False)
         if not isinstance(want_lp, (bool, type(None))):
             raise bad(f"logprobs={want_lp!r}: must be true or false (top_logprobs: how many)", "logprobs")
@@ -329,7 +356,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                                      logprobs=(top or 0) if want_lp else None)
             if params.seed is not None:
                 params.seed += j
-            jobs.append((ids, params))
+            jobs.append((ids, params, images))
         return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n)
 
     async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False):
