@@ -3,7 +3,9 @@
 Shapes: GGUF lists dims fastest-first, so a GGUF [in, out] is the torch [out, in]; the numpy arrays of
 the `gguf` package are already in torch order. llama.cpp's converter permutes the rows of q_proj/k_proj
 within each head, (half, 2) -> (2, half) read as rows, so that rotary pairs sit side by side; we undo it
-for the Llama architecture, with the head counts from the file's metadata.
+for the Llama architecture, with the head counts from the file's metadata. Gemma2/Gemma3 files name the
+norms around both sublayers (`ffn_norm` is the MLP's pre-norm there) and store every (1 + w) norm weight
+as w + 1; we subtract the 1 again, tensor for tensor as transformers' GGUF loader does.
 
 A GGUF file is untrusted input: check_header() walks its whole header (magic, version, every metadata
 value, every tensor's dims, type and data range) with bounds checks before transformers (which converts the
@@ -39,7 +41,15 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Architectures whose layers are normed on the way in and out of both sublayers (gguf's tensor map)
+SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+ARCH_LAYER_NAMES = {"gemma2": SANDWICH_NAMES, "gemma3": SANDWICH_NAMES}
+# Architectures whose converter stores (1 + w) norm weights as w + 1: transformers' GGUF loader subtracts 1
+# from every tensor whose GGUF name holds "norm.weight" (its Gemma2TensorProcessor, gemma2 and gemma3)
+NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 PERMUTED_ARCHS = ("llama",)  # architectures whose converter permutes q/k rows
 # Tensors llama.cpp adds that a HF model computes itself; plan() and load() add these rules to a model's.
@@ -208,11 +218,13 @@ def _type_name(kind: int) -> str:
         return str(kind)
 
 
-def hf_name(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names stay as they are."""
+def hf_name(name: str, arch: str = "") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (the names of the file's
+    `general.architecture`); unknown names stay as they are."""
+    names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
-        if m[2] in LAYER_NAMES:
-            return f"model.layers.{m[1]}.{LAYER_NAMES[m[2]]}.{m[3]}"
+        if m[2] in names:
+            return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
     if m := re.fullmatch(r"(\w+)\.(weight|bias)", name):
         if m[1] in GLOBAL_NAMES:
             return f"{GLOBAL_NAMES[m[1]]}.{m[2]}"
@@ -252,7 +264,7 @@ class GGUFSource(Source):
         float_types = {int(gguf.GGMLQuantizationType.F16): torch.float16,
                        int(gguf.GGMLQuantizationType.BF16): torch.bfloat16}
         for t, dims, kind, offset in tensors:
-            key = hf_name(t)
+            key = hf_name(t, self.architecture)
             if key in self._infos:
                 raise SourceError([], f"{path.name}: tensors {t} and {self._tensors[key][0]} both map to {key}")
             dtype = float_types.get(kind, torch.float32)  # quantised types dequantise to float32
@@ -286,7 +298,7 @@ class GGUFSource(Source):
         import numpy as np
 
         q = self._gguf.GGMLQuantizationType
-        _, kind, offset = t
+        gguf_name, kind, offset = t
         shape = info.shape or (1,)
         if kind in (q.F32, q.F16, q.BF16):  # a copy out of the read-only mapping, in the file's dtype
             word = {q.F32: np.float32, q.F16: np.float16, q.BF16: np.uint16}[kind]
@@ -298,6 +310,8 @@ class GGUFSource(Source):
             data = np.frombuffer(self._buf, dtype=np.uint8, count=math.prod(byte_shape), offset=offset)
             out = torch.from_numpy(self._gguf.quants.dequantize(data.reshape(byte_shape), q(kind)))
         out = out.reshape(info.shape)
+        if self.architecture in NORM_SHIFTED_ARCHS and "norm.weight" in gguf_name:
+            out = out.float() - 1  # the converter's w + 1 back to the checkpoint's w (computed in float32)
         if self.architecture in PERMUTED_ARCHS and self.n_heads:
             if key.endswith("self_attn.q_proj.weight") or key.endswith("self_attn.q_proj.bias"):
                 out = unpermute(out, int(self.n_heads))
