@@ -225,21 +225,59 @@ def test_small_pool_preempts_and_gives_the_same_outputs(tiny_llama, caching):
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True)
               for i in range(5)]
     params[0] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i in (2, 4):  # these also want their prompt's logprobs: a recomputed prompt must not add them twice
+        params[i].prompt_logprobs = 2
 
     def outputs(num_blocks):
         engine = LLMEngine(model, config, num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(p, sp, request_id=str(i))
-        done = {}
+        done, plp = {}, {}
         while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id], plp[o.request_id] = o.token_ids, o.prompt_logprobs
         assert engine.kv.num_free_blocks == num_blocks  # every block came back
-        return [done[str(i)] for i in range(5)], engine.scheduler.num_preemptions
+        return [done[str(i)] for i in range(5)], engine.scheduler.num_preemptions, [plp[str(i)] for i in range(5)]
 
-    large, n_large = outputs(256)
-    small, n_small = outputs(12)  # the longest request alone needs 10 blocks
+    large, n_large, plp_large = outputs(256)
+    small, n_small, plp_small = outputs(12)  # the longest request alone needs 10 blocks
     assert n_large == 0 and n_small > 0
     assert small == large and all(len(o) == 24 for o in small)
+    for i in (2, 4):
+        assert len(plp_small[i]) == len(prompts[i]) and plp_small[i][0] is None
+        assert [list(d) for d in plp_small[i][1:]] == [list(d) for d in plp_large[i][1:]]
+        assert [v for d in plp_small[i][1:] for v in d.values()] == pytest.approx(
+            [v for d in plp_large[i][1:] for v in d.values()], abs=1e-5)
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_llama):
+    """Chunks of 6 tokens and a pool of 12 blocks: requests are preempted between the chunks of their prompt and
+    recompute it; each prompt token's logprobs are recorded once, as an unhurried run records them."""
+    from zoo.runtime.engine import LLMEngine
+
+    model, config = tiny_llama
+    prompts = [[3 + i + j for j in range(5 + 3 * i)] for i in range(5)]
+
+    def run(num_blocks, chunk):
+        engine = LLMEngine(model, config, num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=chunk)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                 prompt_logprobs=2 if i in (2, 4) else None), request_id=str(i))
+        done, mid = {}, 0
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.prompt_logprobs for o in engine.step() if o.finished})
+            mid += sum(1 for r in engine.scheduler.waiting if r.num_preemptions and r.prompt_logprobs is not None
+                       and 1 < len(r.prompt_logprobs) < r.num_prompt_tokens)
+        return done, mid
+
+    (calm, _), (hurried, mid) = run(256, 2048), run(12, 6)
+    assert mid > 0  # (a request did wait, preempted, with part of its prompt's logprobs)
+    for i in ("2", "4"):
+        assert len(hurried[i]) == len(prompts[int(i)]) and [list(d or ()) for d in hurried[i]] == \
+            [list(d or ()) for d in calm[i]]
+        assert [v for d in hurried[i][1:] for v in d.values()] == pytest.approx(
+            [v for d in calm[i][1:] for v in d.values()], abs=1e-5)
 
 
 def test_a_request_larger_than_the_pool_is_refused_by_name(tiny_llama):
