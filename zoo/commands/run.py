@@ -289,7 +289,8 @@ def _load(args, **engine):
 
     progress = Progress()
     try:
-        progress("starting")
+        if not _may_download(args.model):  # (huggingface_hub draws its own progress bars: no spinner over them)
+            progress("starting")
         llm = LLM(args.model, dtype=args.dtype, progress=progress, tokenizer=args.tokenizer, revision=args.revision,
                   **engine)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
@@ -309,6 +310,15 @@ def _load(args, **engine):
             print(f"zoo: note: {t}: the config ties them, the model uses the checkpoint's own weights", file=sys.stderr)
     print(f"zoo: {llm.engine.runner.step_path}", file=sys.stderr)
     return llm
+
+
+def _may_download(model: str | None) -> bool:
+    """MODEL is a hub id that huggingface_hub may fetch now (not a local path, HF_HUB_OFFLINE unset)."""
+    import os
+    from pathlib import Path
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    return model is not None and not offline and model.count("/") == 1 and not Path(model).expanduser().exists()
 
 
 def _generate(llm, request: list[int] | dict, params) -> str | None:
