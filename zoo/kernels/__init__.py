@@ -1,4 +1,5 @@
-"""Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU.
+"""Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU;
+`linear` and `attention` also take bfloat16 weights / KV caches (read widened, float32 arithmetic: cpu.cpp's bf16).
 
 Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
 bandwidth when the weights stream from memory (each is used once per step, so nothing stays in cache);
@@ -53,6 +54,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
 _SIGNATURES = {
     "zoo_linear": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
+    "zoo_linear_bf16": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "zoo_rms_norm": [_P, _L, _L, _L, _P, _F, _I, _P, _I],
     "zoo_rope": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _I],
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
@@ -63,7 +65,11 @@ _SIGNATURES = {
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
 }
-_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int}
+# the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
+_SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
+_SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"]
+_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
+             "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
 
@@ -287,8 +293,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): [..., K] -> [..., N]."""
-    _float32("linear", "x weight bias", x, weight, bias)
+    """F.linear(x, weight, bias): [..., K] -> [..., N]. A bfloat16 weight is read widened: float32 x, bias, result
+    and arithmetic (F.linear(x, weight.float(), bias) up to the order of the sums)."""
+    bf16 = weight.dtype is torch.bfloat16 and weight.is_cpu
+    _float32("linear", "x weight bias", x, None if bf16 else weight, bias)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or (
             bias is not None and bias.shape != weight.shape[:1]):
         raise _bad("linear", "x [..., K], weight [N, K] and bias [N] do not fit", x=x.shape, weight=weight.shape,
@@ -299,8 +307,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x2 = _rows(x)
     y = torch.empty(m, n)
-    _lib.zoo_linear(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k, _ptr(bias), y.data_ptr(), n,
-                    torch.get_num_threads())
+    (_lib.zoo_linear_bf16 if bf16 else _lib.zoo_linear)(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k,
+                                                         _ptr(bias), y.data_ptr(), n, torch.get_num_threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -411,8 +419,10 @@ def _metadata(batch, t: int, with_cache: bool) -> tuple:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None, batch, *,
               scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D] (unit last strides) -> [T, H * D]: writes k/v to their slots of kv_cache
-    [NB, BS, 2, KV, D], then causal attention of each token over its request's context (see cpu.cpp)."""
-    _float32("attention", "q k v kv_cache", q, k, v, kv_cache)
+    [NB, BS, 2, KV, D], then causal attention of each token over its request's context (see cpu.cpp). A bfloat16
+    kv_cache stores k and v rounded to bfloat16 (as kv_cache[slots] = k would) and is read widened: float32 math."""
+    bf16 = kv_cache is not None and kv_cache.dtype is torch.bfloat16 and kv_cache.is_cpu
+    _float32("attention", "q k v kv_cache", q, k, v, None if bf16 else kv_cache)
     if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]
             or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
         raise _bad("attention", "expected q [T, H, D], k = v [T, KV, D] with H a multiple of KV", q=q.shape,
@@ -432,10 +442,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
                       tables.shape[1])
     else:
         cache_args = (None, 0, 1, None, None, 0)
-    bad = _lib.zoo_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-                             v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), t, h, kvh, d, *cache_args,
-                             qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
-                             sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    fn = _lib.zoo_attention_bf16 if bf16 else _lib.zoo_attention
+    bad = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+             v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), t, h, kvh, d, *cache_args,
+             qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
+             sliding_window or 0, softcap or 0.0, torch.get_num_threads())
     if bad:
         shape = tuple(kv_cache.shape) if kv_cache is not None else None
         raise ValueError(f"attention: batch.{_BATCH_FIELDS[bad]} is inconsistent with the step's {t} tokens, "

@@ -43,6 +43,35 @@ static inline v16 load(const float* p) { return *(const v16u*)p; }
 static inline void store(float* p, v16 v) { *(v16u*)p = v; }
 static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// bfloat16 (the upper half of a float32): weights and KV caches of bfloat16 models. Read by widening, which is
+// exact (16 values: a zero-extending load and a shift, vpmovzxwd + vpslld on AVX2 / AVX-512); the arithmetic is
+// float32 throughout. Stored (KV cache rows) rounded to nearest even, as torch's .to(torch.bfloat16).
+typedef uint16_t bf16;
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+static inline v16 load(const bf16* p) { return (v16)(__builtin_convertvector(*(const u16x16*)p, u32x16) << 16); }
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline bf16 to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// dst[0 .. n) = src widened to float32 (a copy for float32)
+template <typename W>
+static inline void widen(const W* src, long n, float* dst) {
+    long i = 0;
+    if constexpr (sizeof(W) == 2)
+        for (; i + 16 <= n; i += 16) store(dst + i, load(src + i));
+    for (; i < n; i++) dst[i] = to_f32(src[i]);
+}
+
 // a * b + c with one rounding
 static inline v16 fma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
@@ -114,12 +143,13 @@ static inline v16 exp16(v16 x) {
     return x < lo ? splat(0.0f) : res;
 }
 
-static inline float dot(const float* a, const float* b, long n) {  // fixed order: lanes, then the tail
+template <typename C>
+static inline float dot(const float* a, const C* b, long n) {  // fixed order: lanes, then the tail
     v16 acc = splat(0.0f);
     long i = 0;
     for (; i + 16 <= n; i += 16) acc = fma16(load(a + i), load(b + i), acc);
     float s = hsum(acc);
-    for (; i < n; i++) s = std::fma(a[i], b[i], s);
+    for (; i < n; i++) s = std::fma(a[i], to_f32(b[i]), s);
     return s;
 }
 
@@ -141,7 +171,7 @@ static inline T* room(std::vector<T>& v, size_t n) {
 
 typedef void (*chunk_fn)(const void* ctx, long chunk);
 
-static inline void prefetch_l2(const float* p) {
+static inline void prefetch_l2(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_prefetch((const char*)p, _MM_HINT_T1);
 #else
@@ -289,8 +319,8 @@ static void paired_ranges(long n, long grain, int threads, const Body& body) {
 // on the path (GEMV or panels): the rows' results never depend on the other rows or the thread count.
 // (On this CPU's two cores: ~200 GFLOP/s of 233 peak for a prefill, MKL's sgemm ~185; 190 at decode.)
 
-template <int MB>
-static inline void dot_rows(const float* x, long ldx, const float* w, long K, float* y, long ldy, float bias) {
+template <int MB, typename W>
+static inline void dot_rows(const float* x, long ldx, const W* w, long K, float* y, long ldy, float bias) {
     v16 acc[MB];
     for (int m = 0; m < MB; m++) acc[m] = splat(0.0f);
     long k = 0;
@@ -300,15 +330,16 @@ static inline void dot_rows(const float* x, long ldx, const float* w, long K, fl
     }
     for (int m = 0; m < MB; m++) {
         float s = hsum(acc[m]);
-        for (long kk = k; kk < K; kk++) s = std::fma(x[m * ldx + kk], w[kk], s);
+        for (long kk = k; kk < K; kk++) s = std::fma(x[m * ldx + kk], to_f32(w[kk]), s);
         y[m * ldy] = s + bias;
     }
 }
 
-static void linear_few(const float* x, long M, long ldx, const float* w, long n0, long n1, long K, const float* b,
+template <typename W>
+static void linear_few(const float* x, long M, long ldx, const W* w, long n0, long n1, long K, const float* b,
                        float* y, long ldy) {
     for (long n = n0; n < n1; n++) {
-        const float* wr = w + n * K;
+        const W* wr = w + n * K;
         float bias = b ? b[n] : 0.0f;
         long m = 0;
         for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * ldx, ldx, wr, K, y + m * ldy + n, ldy, bias);
@@ -401,21 +432,32 @@ static inline void transpose8(const float* src, long lds, float* dst, long ld) {
 // [panels, SUB, lanes] and go to y SUB columns at a time: y's rows are N floats apart, which for N = 3072 puts
 // them all in one L1 set, and writing a few floats of each row per tile measured 15% slower. With yt (panels
 // [P, ldt, lanes], ldt = w's row count) the tiles land there directly: no transposes, no stage.
-template <int NV>
-static void panel_range(const float* xt, long M, long p0, long p1, const float* w, long n0, long n1, long K,
+// bfloat16 weights: each block of R rows is widened once into float32 scratch (from L1 for every panel after).
+template <int NV, typename W>
+static void panel_range(const float* xt, long M, long p0, long p1, const W* w, long n0, long n1, long K,
                         const float* b, float* y, long ldy, float* yt, long ldt) {
     constexpr int LANES = 8 * NV, R = 6;
     constexpr long SUB = 48;
     static thread_local std::vector<v8> stage_store;
+    static thread_local std::vector<v16> wide_store;
     float* stage = yt ? nullptr : (float*)room(stage_store, (p1 - p0) * SUB * NV);
+    float* wide = sizeof(W) == 4 ? nullptr : (float*)room(wide_store, (R * K + 15) / 16);
     for (long n = n0; n < n1; n += SUB) {
         const long ns = std::min(SUB, n1 - n);
         for (long j = 0; j < ns; j += R) {
             const int rows = (int)std::min<long>(R, ns - j);
-            const float* wb = w + (n + j) * K;
+            const W* wn = w + (n + j) * K;
+            const float* wb = (const float*)wn;
+            if constexpr (sizeof(W) == 2) {
+                widen(wn, rows * K, wide);
+                wb = wide;
+            }
             for (long p = p0; p < p1; p++) {  // w is read from memory on the first panel: prefetch the next block
                 float* out = yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES;
-                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, out, p == p0 ? wb + R * K : nullptr);
+                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, out,
+                              p == p0 && sizeof(W) == 4 ? (const float*)(wn + R * K) : nullptr);
+                if (sizeof(W) == 2 && p == p0)  // the next block's bytes (half the lines): one per 32 bfloat16s
+                    for (long o = 0; o < R * K; o += 32) prefetch_l2(wn + R * K + o);
                 if (yt && b)
                     for (int r = 0; r < rows; r++)
                         for (int l = 0; l < LANES; l++) out[r * LANES + l] += b[n + j + r];
@@ -471,7 +513,8 @@ static float* pack(const float* x, long M, long ldx, long K, int nt) {
 
 // y = x w^T (+ b) for x in panels xtp [P, K, lanes] (M rows): into y's rows, or with yt into panels
 // [P, N, lanes], the layout in which the next linear takes its input (zero lanes past M stay zero + b)
-static void linear_panels(const float* xtp, long M, const float* w, long N, long K, const float* b, float* y,
+template <typename W>
+static void linear_panels(const float* xtp, long M, const W* w, long N, long K, const float* b, float* y,
                           long ldy, float* yt, int nt) {
     const int threads = N * K >= 65536 ? nt : 1;
     const long lanes = lanes_for(M), P = (M + lanes - 1) / lanes;
@@ -497,7 +540,8 @@ static void linear_panels(const float* xtp, long M, const float* w, long N, long
 }
 
 // the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
-static void linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b, float* y,
+template <typename W>
+static void linear(const float* x, long M, long ldx, const W* w, long N, long K, const float* b, float* y,
                    long ldy, int nt, long path_m) {
     if (path_m <= 4) {
         const int threads = N * K >= 65536 ? nt : 1;
@@ -509,6 +553,12 @@ static void linear(const float* x, long M, long ldx, const float* w, long N, lon
 
 extern "C" void zoo_linear(const float* x, long M, long ldx, const float* w, long N, long K, const float* b,
                            float* y, long ldy, int nt) {
+    linear(x, M, ldx, w, N, K, b, y, ldy, nt, M);
+}
+
+// the same with bfloat16 weights w [N, K] (float32 x, bias, y and arithmetic)
+extern "C" void zoo_linear_bf16(const float* x, long M, long ldx, const bf16* w, long N, long K, const float* b,
+                                float* y, long ldy, int nt) {
     linear(x, M, ldx, w, N, K, b, y, ldy, nt, M);
 }
 
@@ -643,8 +693,8 @@ static void act_mul(int act, const float* gu, long T, long I, long ld, float* ou
 // weighted_any).
 
 // out[g][:] = sum_j p[g * ld + j] v_j over the L rows vrows[j] + at; summed in blocks of 64 rows, then added
-template <int GS, int ND>
-static void group_weighted(const float* p, long ld, const float* const* vrows, long at, long L, float* const* out) {
+template <int GS, int ND, typename C>
+static void group_weighted(const float* p, long ld, const C* const* vrows, long at, long L, float* const* out) {
     v16 total[GS][ND];
     for (int g = 0; g < GS; g++)
         for (int d = 0; d < ND; d++) total[g][d] = splat(0.0f);
@@ -654,7 +704,7 @@ static void group_weighted(const float* p, long ld, const float* const* vrows, l
         for (int g = 0; g < GS; g++)
             for (int d = 0; d < ND; d++) acc[g][d] = splat(0.0f);
         for (long j = j0; j < j1; j++) {
-            const float* vr = vrows[j] + at;
+            const C* vr = vrows[j] + at;
             v16 vv[ND];
             for (int d = 0; d < ND; d++) vv[d] = load(vr + 16 * d);
             for (int g = 0; g < GS; g++) {
@@ -673,15 +723,15 @@ static void group_weighted(const float* p, long ld, const float* const* vrows, l
 // row, every KV head of a row at once: a row's K lines are read together and in order, and `ahead` floats of
 // the row 8 rows on (its K and V, or 0: nothing) are pulled towards L2 meanwhile, so the value passes that
 // follow find the rows there. (Head by head, each pass read a few lines of every row: 2x slower from memory.)
-template <int ND>
-static void all_scores(const float* q, long q_sh, long H, long KV, long k_head, const float* const* krows, long L,
+template <int ND, typename C>
+static void all_scores(const float* q, long q_sh, long H, long KV, long k_head, const C* const* krows, long L,
                        float scale, float* sc, long ld, long ahead) {
     const long G = H / KV;
     for (long j = 0; j < L; j++) {
         if (ahead && j + 8 < L)
             for (long off = 0; off < ahead; off += 16) prefetch_l2(krows[j + 8] + off);
         for (long kh = 0; kh < KV; kh++) {
-            const float* kr = krows[j] + kh * k_head;
+            const C* kr = krows[j] + kh * k_head;
             v16 kv[ND];
             for (int d = 0; d < ND; d++) kv[d] = load(kr + 16 * d);
             for (long g = 0; g < G; g++) {
@@ -694,7 +744,8 @@ static void all_scores(const float* q, long q_sh, long H, long KV, long k_head, 
     }
 }
 
-static bool all_scores_d(long D, const float* q, long q_sh, long H, long KV, long k_head, const float* const* krows,
+template <typename C>
+static bool all_scores_d(long D, const float* q, long q_sh, long H, long KV, long k_head, const C* const* krows,
                          long L, float scale, float* sc, long ld, long ahead) {
     switch (D) {
         case 32: all_scores<2>(q, q_sh, H, KV, k_head, krows, L, scale, sc, ld, ahead); return true;
@@ -704,18 +755,20 @@ static bool all_scores_d(long D, const float* q, long q_sh, long H, long KV, lon
     }
 }
 
-static void scores_any(const float* q, const float* const* krows, long at, long L, long D, float scale, float* out) {
+template <typename C>
+static void scores_any(const float* q, const C* const* krows, long at, long L, long D, float scale, float* out) {
     for (long j = 0; j < L; j++) out[j] = dot(q, krows[j] + at, D) * scale;
 }
 
-static void weighted_any(const float* p, const float* const* vrows, long at, long L, long D, float* out) {
+template <typename C>
+static void weighted_any(const float* p, const C* const* vrows, long at, long L, long D, float* out) {
     for (long d = 0; d < D; d++) out[d] = 0.0f;
     for (long j = 0; j < L; j++)
-        for (long d = 0; d < D; d++) out[d] = std::fma(p[j], vrows[j][at + d], out[d]);
+        for (long d = 0; d < D; d++) out[d] = std::fma(p[j], to_f32(vrows[j][at + d]), out[d]);
 }
 
-template <int GS>
-static bool group_weighted_d(long D, const float* p, long ld, const float* const* vrows, long at, long L,
+template <int GS, typename C>
+static bool group_weighted_d(long D, const float* p, long ld, const C* const* vrows, long at, long L,
                              float* const* out) {
     switch (D) {
         case 32: group_weighted<GS, 2>(p, ld, vrows, at, L, out); return true;
@@ -725,7 +778,8 @@ static bool group_weighted_d(long D, const float* p, long ld, const float* const
     }
 }
 
-static void weighted_pass(int gs, long D, const float* p, long ld, const float* const* vrows, long at, long L,
+template <typename C>
+static void weighted_pass(int gs, long D, const float* p, long ld, const C* const* vrows, long at, long L,
                           float* const* out) {
     bool done = gs == 1   ? group_weighted_d<1>(D, p, ld, vrows, at, L, out)
                 : gs == 2 ? group_weighted_d<2>(D, p, ld, vrows, at, L, out)
@@ -762,9 +816,9 @@ constexpr long QB = 16;
 // st[j, :] = sum_d qt[d, :] krows[j][at + d] for the nj rows, RJ rows at a time (2 RJ accumulators: with RJ = 8
 // the 16 of AVX-512's 32 registers keep both FMA pipes busy; 4 rows were latency-bound); every element sums
 // over d in order, whatever the grouping
-template <int RJ>
-static inline void scores_rows(const float* qt, long D, const float* const* krows, long at, float* st) {
-    const float* kr[RJ];
+template <int RJ, typename C>
+static inline void scores_rows(const float* qt, long D, const C* const* krows, long at, float* st) {
+    const C* kr[RJ];
     for (int r = 0; r < RJ; r++) kr[r] = krows[r] + at;
     v8 a[RJ][2];
     for (int r = 0; r < RJ; r++) a[r][0] = a[r][1] = splat8(0.0f);
@@ -772,7 +826,7 @@ static inline void scores_rows(const float* qt, long D, const float* const* krow
         const v8 x0 = *(const v8*)(qt + d * QB), x1 = *(const v8*)(qt + d * QB + 8);
 #pragma GCC unroll 8
         for (int r = 0; r < RJ; r++) {
-            const v8 kv = splat8(kr[r][d]);
+            const v8 kv = splat8(to_f32(kr[r][d]));
             a[r][0] = fma8(kv, x0, a[r][0]);
             a[r][1] = fma8(kv, x1, a[r][1]);
         }
@@ -783,7 +837,8 @@ static inline void scores_rows(const float* qt, long D, const float* const* krow
     }
 }
 
-static inline void block_scores(const float* qt, long D, const float* const* krows, long at, long nj, float* st) {
+template <typename C>
+static inline void block_scores(const float* qt, long D, const C* const* krows, long at, long nj, float* st) {
     constexpr int RJ = REGS >= 32 ? 8 : 4;
     long j = 0;
     for (; j + RJ <= nj; j += RJ) scores_rows<RJ>(qt, D, krows + j, at, st + j * QB);
@@ -793,16 +848,16 @@ static inline void block_scores(const float* qt, long D, const float* const* kro
 
 // ot[d, :] += sum_j vrows[j][d] pt[j, :] over the nj rows (offset at), for RD values of d from d0 (2 RD
 // accumulators); every element sums over j in order, whatever the grouping
-template <int RD>
-static inline void values_cols(const float* pt, long nj, const float* const* vrows, long at, long d0, float* ot) {
+template <int RD, typename C>
+static inline void values_cols(const float* pt, long nj, const C* const* vrows, long at, long d0, float* ot) {
     v8 a[RD][2];
     for (int r = 0; r < RD; r++) a[r][0] = *(v8*)(ot + (d0 + r) * QB), a[r][1] = *(v8*)(ot + (d0 + r) * QB + 8);
     for (long j = 0; j < nj; j++) {
-        const float* vr = vrows[j] + at + d0;
+        const C* vr = vrows[j] + at + d0;
         const v8 x0 = *(const v8*)(pt + j * QB), x1 = *(const v8*)(pt + j * QB + 8);
 #pragma GCC unroll 8
         for (int r = 0; r < RD; r++) {
-            const v8 vv = splat8(vr[r]);
+            const v8 vv = splat8(to_f32(vr[r]));
             a[r][0] = fma8(vv, x0, a[r][0]);
             a[r][1] = fma8(vv, x1, a[r][1]);
         }
@@ -810,7 +865,8 @@ static inline void values_cols(const float* pt, long nj, const float* const* vro
     for (int r = 0; r < RD; r++) *(v8*)(ot + (d0 + r) * QB) = a[r][0], *(v8*)(ot + (d0 + r) * QB + 8) = a[r][1];
 }
 
-static inline void block_values(const float* pt, long nj, const float* const* vrows, long at, long D, float* ot) {
+template <typename C>
+static inline void block_values(const float* pt, long nj, const C* const* vrows, long at, long D, float* ot) {
     constexpr int RD = REGS >= 32 ? 8 : 6;
     long d0 = 0;
     for (; d0 + RD <= D; d0 += RD) values_cols<RD>(pt, nj, vrows, at, d0, ot);
@@ -820,8 +876,9 @@ static inline void block_values(const float* pt, long nj, const float* const* vr
 
 // out rows out[l * out_st ..] (l < n) = attention of the n tokens q[l * q_st ..] at positions pos0 + l over the
 // context rows krows[j] / vrows[j] (offsets at_k / at_v) of positions j = 0 .. pos0 + n - 1
-static void attend_block(const float* q, long q_st, long n, long pos0, const float* const* krows,
-                         const float* const* vrows, long at_k, long at_v, long D, float scale, long window,
+template <typename C>
+static void attend_block(const float* q, long q_st, long n, long pos0, const C* const* krows,
+                         const C* const* vrows, long at_k, long at_v, long D, float scale, long window,
                          float softcap, float* out, long out_st) {
     static thread_local std::vector<v16> mem;
     float* qt = (float*)room(mem, 2 * D + 2 * QB);  // [D, QB]
@@ -877,7 +934,7 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const flo
             for (long d = 0; d < D; d++) out[l * out_st + d] = ot[d * QB + l];
 }
 
-static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const float* cache, long nb,
+static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_lens, const void* cache, long nb,
                        long bs, const int64_t* slots, const int32_t* tables, long max_blocks) {
     if (qsl[0] != 0 || qsl[B] != T) return 1;
     for (long b = 0; b < B; b++) {
@@ -896,11 +953,14 @@ static int check_batch(long T, long B, const int32_t* qsl, const int32_t* seq_le
     return 0;
 }
 
-extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* k, long k_st, long k_sh,
-                             const float* v, long v_st, long v_sh, float* out, long T, long H, long KV, long D,
-                             float* cache, long nb, long bs, const int64_t* slots, const int32_t* tables,
-                             long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B, float scale,
-                             long window, float softcap, int nt) {
+// C: the cache's element type (float, or bf16: then a cache is required, the context rows being the cache's)
+template <typename C>
+static int attention(const float* q, long q_st, long q_sh, const float* k, long k_st, long k_sh,
+                     const float* v, long v_st, long v_sh, float* out, long T, long H, long KV, long D,
+                     C* cache, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                     long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B, float scale,
+                     long window, float softcap, int nt) {
+    if (sizeof(C) != 4 && !cache) return 3;
     int bad = check_batch(T, B, qsl, seq_lens, cache, nb, bs, slots, tables, max_blocks);
     if (bad || T == 0) return bad;
     std::vector<int32_t> req(T);
@@ -909,10 +969,15 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
     const long G = H / KV, row = 2 * KV * D;
     if (cache)  // the new tokens' k and v into their slots, before any is read
         for (long t = 0; t < T; t++) {
-            float* dst = cache + slots[t] * row;
+            C* dst = cache + slots[t] * row;
             for (long h = 0; h < KV; h++) {
-                memcpy(dst + h * D, k + t * k_st + h * k_sh, D * sizeof(float));
-                memcpy(dst + (KV + h) * D, v + t * v_st + h * v_sh, D * sizeof(float));
+                if constexpr (sizeof(C) == 4) {
+                    memcpy(dst + h * D, k + t * k_st + h * k_sh, D * sizeof(float));
+                    memcpy(dst + (KV + h) * D, v + t * v_st + h * v_sh, D * sizeof(float));
+                } else {
+                    for (long d = 0; d < D; d++) dst[h * D + d] = to_bf16(k[t * k_st + h * k_sh + d]);
+                    for (long d = 0; d < D; d++) dst[(KV + h) * D + d] = to_bf16(v[t * v_st + h * v_sh + d]);
+                }
             }
         }
     long work = 0;  // context rows read, to decide whether a second thread pays
@@ -920,19 +985,19 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
     const long k_head = cache ? D : k_sh, v_head = cache ? D : v_sh;  // stride between KV heads of a row
     // rows[c - lo] = request b's context rows of positions lo .. p (K at + 0, V at + KV D in the cache): walking
     // the block table once, one division per block, not per row
-    auto context = [&](long b, long lo, long p, const float** krows, const float** vrows) {
+    auto context = [&](long b, long lo, long p, const C** krows, const C** vrows) {
         if (cache) {
             const int32_t* table = tables + b * max_blocks;
             for (long c = lo; c <= p;) {
                 long off = c % bs, n = std::min(bs - off, p + 1 - c);
-                const float* base = cache + ((long)table[c / bs] * bs + off) * row;
+                const C* base = cache + ((long)table[c / bs] * bs + off) * row;
                 for (long i = 0; i < n; i++) {
                     krows[c - lo + i] = base + i * row;
                     vrows[c - lo + i] = base + i * row + KV * D;
                 }
                 c += n;
             }
-        } else {
+        } else if constexpr (sizeof(C) == 4) {
             for (long c = lo; c <= p; c++) {
                 krows[c - lo] = k + (qsl[b] + c) * k_st;
                 vrows[c - lo] = v + (qsl[b] + c) * v_st;
@@ -959,12 +1024,12 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
     const long nblock = (long)blocks.size() * H;
     parallel_for(nblock + (long)singles.size(), 1, work * KV * D >= 32768 ? nt : 1, [&](long item) {
         static thread_local std::vector<float> sc;
-        static thread_local std::vector<const float*> rows;
+        static thread_local std::vector<const C*> rows;
         if (item < nblock) {
             const long* blk = blocks[item / H].data();
             const long b = blk[0], t0 = blk[1], n = blk[2], h = item % H, kh = h / G;
             const long pos0 = seq_lens[b] - (qsl[b + 1] - t0), last = pos0 + n - 1;
-            const float** krows = room(rows, 2 * (last + 1));
+            const C** krows = room(rows, 2 * (last + 1));
             context(b, 0, last, krows, krows + last + 1);
             attend_block(q + t0 * q_st + h * q_sh, q_st, n, pos0, krows, krows + last + 1, kh * k_head,
                          kh * v_head, D, scale, window, softcap, out + (t0 * H + h) * D, H * D);
@@ -976,8 +1041,8 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
         const long p = seq_lens[b] - (qsl[b + 1] - t);  // this token's position
         const long lo = window > 0 ? std::max(0L, p - window + 1) : 0;
         const long L = p - lo + 1, Lp = (L + 15) / 16 * 16;
-        const float** krows = room(rows, 2 * L);
-        const float** vrows = krows + L;
+        const C** krows = room(rows, 2 * L);
+        const C** vrows = krows + L;
         context(b, lo, p, krows, vrows);
         const float* qt = q + t * q_st;
         float* r = room(sc, H * Lp);
@@ -997,6 +1062,25 @@ extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* 
         }
     });
     return 0;
+}
+
+extern "C" int zoo_attention(const float* q, long q_st, long q_sh, const float* k, long k_st, long k_sh,
+                             const float* v, long v_st, long v_sh, float* out, long T, long H, long KV, long D,
+                             float* cache, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                             long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B, float scale,
+                             long window, float softcap, int nt) {
+    return attention(q, q_st, q_sh, k, k_st, k_sh, v, v_st, v_sh, out, T, H, KV, D, cache, nb, bs, slots, tables,
+                     max_blocks, qsl, seq_lens, B, scale, window, softcap, nt);
+}
+
+// the same over a bfloat16 cache (float32 q/k/v, out and arithmetic; k and v stored rounded to bfloat16)
+extern "C" int zoo_attention_bf16(const float* q, long q_st, long q_sh, const float* k, long k_st, long k_sh,
+                                  const float* v, long v_st, long v_sh, float* out, long T, long H, long KV, long D,
+                                  bf16* cache, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                                  long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B, float scale,
+                                  long window, float softcap, int nt) {
+    return attention(q, q_st, q_sh, k, k_st, k_sh, v, v_st, v_sh, out, T, H, KV, D, cache, nb, bs, slots, tables,
+                     max_blocks, qsl, seq_lens, B, scale, window, softcap, nt);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1048,20 +1132,33 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 // residual adds round the same). Returns 0, an attention error code, or 5 when a token id is outside the
 // embedding table.
 
-struct LayerWeights {
-    const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
+// W: the matrices' element type, C: the cache's (float, or bf16 for a bfloat16 model: norms, biases and the rotary
+// tables stay float32, converted once by fused.py)
+template <typename W, typename C>
+struct LayerWeightsT {
+    const float* ln1;
+    const W* qkv;
+    const float* qkv_bias;
+    const W* o;
+    const float *o_bias, *ln2;
+    const W* gate_up;
+    const float* gate_up_bias;
+    const W* down;
+    const float* down_bias;
     const float *q_norm, *k_norm;  // per-head norms of q and k before the rotation (Qwen3, Gemma3), or nullptr
     const float *post_attn, *post_ff;  // norms of the attention's and the MLP's outputs (Gemma3), or nullptr
     const float *cos, *sin;  // this layer's rotary table [table_len, F] (Gemma3's two bases), or nullptr: the step's
-    float* cache;  // [NB, BS, 2, KV, D]
-    long window;   // sliding window, 0 = none
+    C* cache;     // [NB, BS, 2, KV, D]
+    long window;  // sliding window, 0 = none
 };
+typedef LayerWeightsT<float, float> LayerWeights;
 
 // h [R, Hd] = down(act(gate) * up) of x [R, Hd]. On the panel path gate_up's output stays in panels
 // [P, 2 I, lanes], and act_mul over each panel's two halves gives down's input already packed, [P, I, lanes]:
 // no 8 x 8 transposes out of gate_up (its rows, 2 I floats apart, fell in one L1 set: a tenth of a prefill
 // went there) nor into down, and every value is the row path's bit for bit (the same tiles, act elementwise).
-static void gated_mlp(const float* x, long R, long Hd, const LayerWeights& w, long I, int act, float* gu,
+template <typename W, typename C>
+static void gated_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>& w, long I, int act, float* gu,
                       float* a, float* h, int nt, long path_m) {
     if (path_m <= 4) {
         linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
@@ -1085,13 +1182,14 @@ static void add_normed(float* res, const float* h, float* scratch, long R, long 
     for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
 }
 
-extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
-                                 const LayerWeights* layers, long nl, long H, long KV, long D, long I, float eps,
-                                 float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
-                                 long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
-                                 long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
-                                 const float* final_norm, const int64_t* rows, long N, const float* head,
-                                 float* logits, int gemma, float embed_scale, int act, int nt) {
+template <typename W, typename C>
+static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab, long Hd,
+                         const LayerWeightsT<W, C>* layers, long nl, long H, long KV, long D, long I, float eps,
+                         float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
+                         long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                         long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
+                         const float* final_norm, const int64_t* rows, long N, const W* head,
+                         float* logits, int gemma, float embed_scale, int act, int nt) {
     for (long t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
@@ -1119,15 +1217,15 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     float* keep_att = last + N * Hd;  // [N, H D] the sampled rows' attention output (last layer)
     float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
     for (long t = 0; t < T; t++) {
-        memcpy(hidden + t * Hd, embed + ids[t] * Hd, Hd * sizeof(float));
+        widen(embed + ids[t] * Hd, Hd, hidden + t * Hd);
         if (embed_scale != 0.0f)  // Gemma: rows times sqrt(Hd)
             for (long d = 0; d < Hd; d++) hidden[t * Hd + d] = hidden[t * Hd + d] * embed_scale;
     }
     bool pruned = false;  // past the last layer's attention, only the sampled rows (in keep_*)
     for (long l = 0; l < nl; l++) {
-        const LayerWeights& w = layers[l];
+        const LayerWeightsT<W, C>& w = layers[l];
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, gemma, x, nt);
-        zoo_linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt);
+        linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt, T);
         const float *q = qkv, *k = qkv + H * D;
         long q_st = nqkv, k_st = nqkv;
         if (w.q_norm) {  // q and k normed head by head, then rotated
@@ -1137,8 +1235,8 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
         }
         zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, w.cos ? w.cos : cos, w.sin ? w.sin : sin,
                  table_len, F, nt);
-        int bad = zoo_attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
-                                nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
+        int bad = attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
+                            nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
         if (bad) return bad;
         float *a_in = att, *res = hidden;  // the rows that go on: all, or after the last attention the sampled
         long R = T;
@@ -1160,6 +1258,32 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
     for (long r = 0; r < N; r++)
         memcpy(x + r * Hd, pruned ? keep_hid + r * Hd : hidden + rows[r] * Hd, Hd * sizeof(float));
     zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, gemma, last, nt);
-    zoo_linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt);
+    linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt, N);
     return 0;
+}
+
+extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
+                                 const LayerWeights* layers, long nl, long H, long KV, long D, long I, float eps,
+                                 float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
+                                 long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
+                                 long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
+                                 const float* final_norm, const int64_t* rows, long N, const float* head,
+                                 float* logits, int gemma, float embed_scale, int act, int nt) {
+    return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
+                         nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
+                         embed_scale, act, nt);
+}
+
+// a bfloat16 model: bfloat16 matrices, embedding, head and KV cache; float32 activations and arithmetic
+extern "C" int zoo_llama_forward_bf16(const int64_t* ids, long T, const bf16* embed, long vocab, long Hd,
+                                      const LayerWeightsT<bf16, bf16>* layers, long nl, long H, long KV, long D,
+                                      long I, float eps, float scale, const int64_t* pos, const float* cos,
+                                      const float* sin, long table_len, long F, long nb, long bs,
+                                      const int64_t* slots, const int32_t* tables, long max_blocks,
+                                      const int32_t* qsl, const int32_t* seq_lens, long B, const float* final_norm,
+                                      const int64_t* rows, long N, const bf16* head, float* logits, int gemma,
+                                      float embed_scale, int act, int nt) {
+    return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
+                         nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
+                         embed_scale, act, nt);
 }

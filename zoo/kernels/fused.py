@@ -13,7 +13,10 @@ Qualifies: a model assembled from the Llama plugin's classes with their own forw
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
 per-head q/k norms) or Gemma3's decoder layer (norms around both blocks' outputs, (1 + w) norms, a scaled
 embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps throughout, SiLU or GELU-tanh
-gated MLPs, no softcaps, rope types whose table does not depend on the context length, float32 CPU weights.
+gated MLPs, no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
+caches, or bfloat16 ones (`zoo_llama_forward_bf16`: the matrices, the embedding, the head and the KV cache read
+as bfloat16 and widened, float32 activations and arithmetic; the norm weights and biases, a few KB, converted to
+float32 once here and converted again when a step finds them modified).
 A step qualifies when no forward hook is registered (parity taps see every module).
 Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
@@ -67,15 +70,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _weight(norm) -> int | None:
-    return None if norm is None else norm.weight.data_ptr()
-
-
 class FusedDecoder:
-    def __init__(self, model, kv_caches: dict[str, torch.Tensor], params: list[torch.Tensor], layers, meta: dict):
+    def __init__(self, model, kv_caches: dict[str, torch.Tensor], params: list[torch.Tensor], layers, meta: dict,
+                 converted: list | None = None):
         self.model, self.kv_caches, self.params, self.meta = model, kv_caches, params, meta
         self.layers = layers  # ctypes array of _Layer
         self.ptrs = [p.data_ptr() for p in params]
+        # bfloat16 models: (parameter, its float32 copy the driver reads, the parameter's version when copied)
+        self.converted = converted or []
         mods = list(model.modules())  # hook registries, checked every step (registering mutates them in place)
         self.hooks = [m._forward_hooks for m in mods] + [m._forward_pre_hooks for m in mods]
 
@@ -108,6 +110,15 @@ class FusedDecoder:
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
         layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
+        dtype = embed.weight.dtype  # float32, or bfloat16: matrices and caches of that dtype, the rest float32
+        converted = []
+
+        def small(t):  # a norm weight or a bias, as the float32 the driver reads
+            if t is None or t.dtype is torch.float32 or dtype is not torch.bfloat16:
+                return t
+            copy = t.detach().float().contiguous()
+            converted.append((t, copy, t._version))
+            return copy
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             core = attn.attn
@@ -151,10 +162,12 @@ class FusedDecoder:
             if kv_caches is None:
                 continue
             cache = kv_caches[attn.prefix]
-            if cache.dtype is not torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
-                return f"{attn.prefix}: the KV cache is not float32, contiguous, on the CPU"
+            if cache.dtype is not dtype or not cache.is_contiguous() or not cache.is_cpu:
+                return f"{attn.prefix}: the KV cache is not {dtype} (the weights' dtype), contiguous, on the CPU"
+            w[0], w[3], *b = small(w[0]), small(w[3]), *(small(x) for x in b)
             layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
-                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]), *(_weight(n) for n in (*qk, post_attn, post_ff)),
+                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]),
+                                 *(_ptr(small(n.weight)) if n is not None else None for n in (*qk, post_attn, post_ff)),
                                  None, None, cache.data_ptr(), core.sliding_window or 0))
         kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
         if kinds not in ({RMSNorm}, {GemmaRMSNorm}):
@@ -163,17 +176,19 @@ class FusedDecoder:
             return "layers differ in norm eps, heads, head dim, scale, MLP size or activation"
         if kv_caches is None:
             return "qualifies"
-        if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
-            return "weights are not float32, contiguous, on the CPU"
+        if dtype not in (torch.float32, torch.bfloat16) or any(
+                p.dtype is not dtype or not p.is_cpu or not p.is_contiguous() for p in params):
+            return "weights are not all float32 or all bfloat16, contiguous, on the CPU"
         distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
         if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
             return "layers rotate different numbers of dims"
         (heads, kv_heads, head_dim, scale, inter, act), = shape
         meta = dict(eps=eps.pop(), ropes=distinct, layer_rope=[distinct.index(r) for r in ropes], heads=heads,
                     kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,
-                    vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=final.weight,
-                    gemma=int(kinds == {GemmaRMSNorm}), embed_scale=float(embed.scale or 0.0), act=_ACTS[act])
-        return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta)
+                    vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=small(final.weight),
+                    gemma=int(kinds == {GemmaRMSNorm}), embed_scale=float(embed.scale or 0.0), act=_ACTS[act],
+                    bf16=dtype is torch.bfloat16)
+        return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta, converted)
 
     def usable(self, input_ids: torch.Tensor, batch) -> bool:
         """This step can take the driver: the same caches and weights, no hooks, kernels on."""
@@ -181,6 +196,11 @@ class FusedDecoder:
             return False
         if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
             return False
+        for i, (p, copy, version) in enumerate(self.converted):  # modified in place: the float32 copy again
+            if p._version != version:
+                with torch.no_grad():
+                    copy.copy_(p)
+                self.converted[i] = (p, copy, p._version)
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
             return False
         return not any(self.hooks)
@@ -208,7 +228,8 @@ class FusedDecoder:
         qsl, seq_lens, slots, tables = kernels._metadata(batch, t, True)
         logits = torch.empty(rows.shape[0], m["vocab"])
         nb, bs = next(iter(self.kv_caches.values())).shape[:2]
-        bad = kernels._lib.zoo_llama_forward(
+        forward = kernels._lib.zoo_llama_forward_bf16 if m["bf16"] else kernels._lib.zoo_llama_forward
+        bad = forward(
             ids.data_ptr(), t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
             len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
             pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs,
