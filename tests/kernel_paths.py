@@ -6,7 +6,7 @@
 
 On the kernels path grad mode is off (the layers take their native path only without autograd, as in the
 runtime); on the torch path the kernels are switched off. ZOO_FAST=0 in the environment skips the kernels
-runs; a kernels run on a machine where the library does not build fails, naming why.
+runs (so does ZOO_DEVICE_PATH=1, the device path forced); a kernels run on a machine where the library does not build fails, naming why.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def ops(request):
     on = request.param == "kernels"
     if on and os.environ.get("ZOO_FAST") == "0":
         pytest.skip("ZOO_FAST=0: native kernels switched off")
+    if on and os.environ.get("ZOO_DEVICE_PATH") == "1":
+        pytest.skip("ZOO_DEVICE_PATH=1: the device path is forced (no native kernels)")
     previous = kernels.set_enabled(on)
     try:
         if on and not kernels.enabled():

@@ -14,6 +14,7 @@ from zoo import kernels
 from zoo.build import build_model
 from zoo.kernels import host_sync
 from zoo.runtime.engine import LLMEngine
+from zoo.runtime.kv_cache import device_kv_budget
 from zoo.runtime.model_runner import one_copy
 from zoo.runtime.sampling_params import SamplingParams
 
@@ -105,3 +106,24 @@ def test_greedy_on_the_gpu(arch, tmp_path):
     engine = LLMEngine(model, config, block_size=4, num_blocks=64, max_num_batched_tokens=8, device="cuda")
     assert "Triton" in engine.runner.step_path
     assert generate(engine, PROMPTS, wave=3)[0] == expected
+
+
+def test_the_kv_budget_is_what_the_memory_fraction_leaves():
+    gib = 2 ** 30
+    # 80 GiB device, 30 GiB free (50 in use: the weights and the rest): 0.9 of it leaves 22 GiB for the KV cache
+    assert device_kv_budget("cuda", 0.9, mem_get_info=lambda d: (30 * gib, 80 * gib)) == int(0.9 * 80 * gib) - 50 * gib
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 0.5: 50.00 GiB of the device's 80.00 GiB"):
+        device_kv_budget("cuda", 0.5, mem_get_info=lambda d: (30 * gib, 80 * gib))
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5 must be a fraction"):
+        device_kv_budget("cuda", 1.5, mem_get_info=lambda d: (30 * gib, 80 * gib))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("argv, words", [(["--device", "cuda"], "--device cuda: no CUDA device here"),
+                                         (["--device", "tpu9"], "--device tpu9"),
+                                         (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0")])
+def test_zoo_run_refuses_a_device_it_cannot_use(tmp_path, capsys, argv, words):
+    from zoo.cli import main
+
+    assert main(["run", str(save_arch("LlamaForCausalLM", tmp_path)), "--prompt", "hi", *argv]) == 2
+    assert words in capsys.readouterr().err

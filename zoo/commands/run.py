@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of "
                                                                 "the tokenizer's")
     add_model_arguments(parser)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: the GPU path, Triton kernels "
+                                                        "(use --dtype bfloat16 there)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                        help="on a GPU, the fraction of its memory the weights and the KV cache may take (default 0.9)")
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
                              "the prompt unless the prompt holds it")
@@ -116,8 +120,17 @@ def run(args) -> int:
             return _fail(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}", 2)
     if args.tensor_parallel_size < 1:
         return _fail(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", 2)
+    from zoo.runtime.llm import check_device
+
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        return _fail(f"--device {args.device}: {str(e).split(': ', 1)[-1]}", 2)
+    if not 0 < args.gpu_memory_utilization <= 1:
+        return _fail(f"--gpu-memory-utilization {args.gpu_memory_utilization}: expected a fraction in (0, 1]", 2)
     llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                check=lambda llm: _before_weights(llm, args, template))
+                check=lambda llm: _before_weights(llm, args, template), device=args.device,
+                gpu_memory_utilization=args.gpu_memory_utilization)
     if isinstance(llm, int):
         return llm
     from zoo.runtime.distributed import TensorParallelError
@@ -294,7 +307,7 @@ def _load(args, **engine):
         llm = LLM(args.model, dtype=args.dtype, progress=progress, tokenizer=args.tokenizer, revision=args.revision,
                   **engine)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
-            TensorParallelError, Refused) as e:
+            TensorParallelError, Refused, ValueError) as e:  # (ValueError: an option refused, e.g. no KV room)
         progress.done("failed")
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
     except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)

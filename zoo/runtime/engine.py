@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zoo.runtime.detokenizer import IncrementalDetokenizer
-from zoo.runtime.kv_cache import DEFAULT_KV_MEMORY, KVCacheManager, bytes_per_token, cache_specs, num_blocks_for
+from zoo.runtime.kv_cache import (DEFAULT_KV_MEMORY, KVCacheManager, bytes_per_token, cache_specs, device_kv_budget,
+                                  num_blocks_for)
 from zoo.runtime.model_runner import ModelRunner
 from zoo.runtime.multimodal import MultiModal, placeholder_ranges
 from zoo.runtime.request import Request, RequestStatus
@@ -140,7 +141,8 @@ class LLMEngine:
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  device: torch.device | str | None = None, num_state_slots: int | None = None,
-                 num_state_snapshots: int | None = None, processor=None, encoder_cache_rows: int | None = None):
+                 num_state_snapshots: int | None = None, processor=None, encoder_cache_rows: int | None = None,
+                 gpu_memory_utilization: float = 0.9):
         sizes = dict(num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len)
@@ -153,6 +155,8 @@ class LLMEngine:
         if device is None:
             device = next(model.parameters()).device
         specs = cache_specs(model)
+        if torch.device(device).type == "cuda" and num_blocks is None and kv_cache_memory is None and specs:
+            kv_cache_memory = device_kv_budget(device, gpu_memory_utilization)  # what the fraction leaves
         # hybrid / SSM models: a recurrent state slot per running request (max_num_seqs of them by default)
         self.state_specs = state_specs(model)
         num_state_slots = (num_state_slots or max_num_seqs) if self.state_specs else 0

@@ -62,6 +62,21 @@ def num_blocks_for(specs: dict[str, CacheSpec], block_size: int, memory_bytes: i
     return max(1, memory_bytes // per_block)
 
 
+def device_kv_budget(device: torch.device | str, utilization: float, *, mem_get_info=None) -> int:
+    """Bytes for the KV pool on an accelerator: `utilization` of its memory less what is in use already (the
+    weights, loaded first, and anything else on it). `mem_get_info` (device -> (free, total)) defaults to torch's.
+    A ValueError naming --gpu-memory-utilization when nothing is left."""
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={utilization!r} must be a fraction in (0, 1]")
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(torch.device(device))
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {utilization}: {(total - free) / 2**30:.2f} GiB of the device's "
+                         f"{total / 2**30:.2f} GiB are in use (the weights included): nothing is left for the KV "
+                         f"cache; raise it or load a smaller model / dtype")
+    return budget
+
+
 def allocate_kv_caches(specs: dict[str, CacheSpec], num_blocks: int, block_size: int,
                        device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """prefix -> torch.empty(NB, BS, *per_token) in the spec's dtype."""

@@ -37,13 +37,30 @@ def _dtype(dtype) -> torch.dtype:
     return value
 
 
+def check_device(device) -> torch.device:
+    """`device` as a torch.device this process can use; a ValueError naming it otherwise (never torch's assert)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device (cpu, cuda, cuda:1): {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: no CUDA device here (torch {torch.__version__}"
+                             f"{', a CPU-only build' if torch.version.cuda is None else ''})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r}: the zoo runs on cpu or cuda")
+    return dev
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, dtype="float32", device="cpu", num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
                  tensor_parallel_size: int = 1, tokenizer: str | None = None, revision: str | None = None,
-                 check: Callable[["LLM"], None] | None = None):
+                 check: Callable[["LLM"], None] | None = None, gpu_memory_utilization: float = 0.9):
         """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
         the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
         the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
@@ -51,6 +68,7 @@ class LLM:
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
+        device = check_device(device)
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
@@ -84,7 +102,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             device=device, processor=load_processor(self.files) if self.spec.family == "multimodal" else None,
-            encoder_cache_rows=encoder_cache_rows)
+            encoder_cache_rows=encoder_cache_rows, gpu_memory_utilization=gpu_memory_utilization)
         if self.tp_group is not None:
             self.tp_group.attach(self.engine)
         self.load_seconds = time.perf_counter() - t0

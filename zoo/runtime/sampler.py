@@ -34,12 +34,12 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)  # [N]
     pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)  # [N]
     freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)  # [N]
-    if bool((rep != 1.0).any()):
+    if any(r.sampling_params.repetition_penalty != 1.0 for r in reqs):  # (decided on the host: no device read)
         seen = _token_counts([r.all_token_ids for r in reqs], v, device) > 0  # [N, V]
         rep_b = rep[:, None].expand(n, v)
         penalised = torch.where(logits > 0, logits / rep_b, logits * rep_b)
         logits = torch.where(seen, penalised, logits)
-    if bool((pres != 0).any() or (freq != 0).any()):
+    if any(r.sampling_params.presence_penalty != 0 or r.sampling_params.frequency_penalty != 0 for r in reqs):
         counts = _token_counts([r.output_token_ids for r in reqs], v, device)  # [N, V]
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
     return logits
@@ -157,9 +157,10 @@ class Sampler:
             is_greedy = torch.tensor(greedy, device=tokens.device)
             tokens = torch.where(is_greedy, tokens, drawn)
             chosen = torch.where(is_greedy, chosen, probs.gather(1, drawn[:, None])[:, 0])
-        token_list = tokens.tolist()
-        if not bool(torch.isfinite(chosen).all()):
-            token_list = [t if ok else None for t, ok in zip(token_list, torch.isfinite(chosen).tolist())]
+        # one read back from the device: the tokens and whether each row's value was finite
+        token_list, finite = torch.stack((tokens, torch.isfinite(chosen).to(tokens.dtype))).tolist()
+        if not all(finite):
+            token_list = [t if ok else None for t, ok in zip(token_list, finite)]
         return SamplerOutput(token_list, self._logprobs(raw, tokens, reqs))
 
     @staticmethod
