@@ -4,18 +4,24 @@
 
 On a 2-core machine TP=2 cannot be faster (the two ranks share the cores that one process already uses), so
 the table shows what matters there, and the speed-up only where there are cores (or GPUs) to spare:
-    bytes read per rank      from the loader's plan (plan_ranks), as a fraction of the checkpoint, for all
-                             tensors and for the column-parallel ones alone (q/k/v, gate/up: about 1/N)
+    bytes read per rank      each rank's own loader report (LoadReport.bytes, its slices), as a fraction of the
+                             checkpoint; the column-parallel tensors alone (q/k/v, gate/up: about 1/N) from the plan
+    peak memory per rank     each rank process's peak resident memory (VmHWM, reset before loading) above its
+                             resident size before loading (the interpreter, torch): weights, KV cache, activations;
+                             against the same measure of TP=1's process
     parameters per rank      bytes of rank 0's parameters (its slices) as a fraction of TP=1's
     communication            rank 0's seconds inside collectives (all-reduce, all-gather, the per-step
-                             metadata broadcast) as a fraction of its generation time
+                             control broadcasts) per step, as a fraction of the step
     output tok/s             TP=N against TP=1 on the same prompts; greedy tokens compared
-One thread per rank (torch.set_num_threads(1)), TP=1 too, so the comparison is per core.
+Each configuration runs in a fresh process (so peaks are its own); one thread per rank, TP=1 too, so the
+comparison is per core.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +55,51 @@ class Timed:
         return timed
 
 
+def measure(size: int, path: str, requests: int, new_tokens: int) -> dict:
+    """One configuration in this (fresh) process: load, warm up, generate; what it measured."""
+    torch.set_num_threads(1)
+    from zoo import LLM
+    from zoo.layers import parallel
+    from zoo.runtime import distributed
+    from zoo.runtime.distributed import Peak
+    from zoo.runtime.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 8192, (int(n),), generator=g).tolist()
+               for n in torch.randint(32, 128, (requests,), generator=g)]
+    peak = Peak()
+    llm = LLM(path, tensor_parallel_size=size, num_blocks=256, block_size=16)
+    timers = []
+    if size > 1:
+        parallel.dist = Timed(parallel.dist)
+        distributed.dist = Timed(distributed.dist)
+        timers = [parallel.dist, distributed.dist]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    steps = [0]
+    execute = llm.engine.runner.execute
+
+    def counted(*args, **kwargs):
+        steps[0] += 1
+        return execute(*args, **kwargs)
+
+    llm.engine.runner.execute = counted
+    for t in timers:
+        t.seconds = t.calls = 0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    seconds = time.perf_counter() - t0
+    comm, calls = sum(t.seconds for t in timers), sum(t.calls for t in timers)
+    for t in timers:  # the stats exchange is not part of the run
+        t.seconds = 0
+    ranks = llm.tp_group.rank_stats() if size > 1 else \
+        [{"rank": 0, "read_bytes": llm.load_report.bytes, "peak_bytes": peak.above_baseline()}]
+    param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in llm.model.parameters()}.values())
+    llm.close()
+    return {"size": size, "tok_s": requests * new_tokens / seconds, "seconds": seconds, "steps": steps[0],
+            "comm": comm, "calls": calls, "tokens": [o.token_ids for o in outs], "param_bytes": param_bytes,
+            "ranks": [{k: r[k] for k in ("rank", "read_bytes", "peak_bytes")} for r in ranks]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=2)
@@ -56,18 +107,17 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--measure", nargs=2, metavar=("SIZE", "PATH"), help=argparse.SUPPRESS)  # a child's run
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    if args.measure:
+        print(json.dumps(measure(int(args.measure[0]), args.measure[1], args.requests, args.new_tokens)))
+        return 0
 
     from loader import plan_ranks
     from registry import get_registry
     from tiny import save_tiny
-    from zoo import LLM
     from zoo.build import tensor_parallel_model
-    from zoo.layers import parallel
-    from zoo.runtime import distributed
     from zoo.runtime.model_files import read_config
-    from zoo.runtime.sampling_params import SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix="zoo-bench-tp-"))
     path = save_tiny("LlamaForCausalLM", work / "m", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -82,45 +132,36 @@ def main() -> int:
     column = [k for k in source.keys() if any(s in k for s in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
     whole_column = sum(source.info(k).nbytes for k in column)
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 8192, (int(n),), generator=g).tolist()
-               for n in torch.randint(32, 128, (args.requests,), generator=g)]
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    rows, tokens = [], {}
+    runs = {}
     for size in (1, args.size):
-        llm = LLM(str(path), tensor_parallel_size=size, num_blocks=256, block_size=16)
-        timers = []
-        if size > 1:
-            parallel.dist = Timed(parallel.dist)
-            distributed.dist = Timed(distributed.dist)
-            timers = [parallel.dist, distributed.dist]
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-        for t in timers:
-            t.seconds = t.calls = 0
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - t0
-        tokens[size] = [o.token_ids for o in outs]
-        param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in llm.model.parameters()}.values())
-        comm = sum(t.seconds for t in timers)
-        rows.append((size, args.requests * args.new_tokens / seconds, param_bytes, comm / seconds,
-                     sum(t.calls for t in timers)))
-        llm.close()
-        parallel.dist = getattr(parallel.dist, "real", parallel.dist)
-        distributed.dist = getattr(distributed.dist, "real", distributed.dist)
-
+        child = subprocess.run([sys.executable, __file__, "--measure", str(size), str(path), "--requests",
+                                str(args.requests), "--new-tokens", str(args.new_tokens)],
+                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if child.returncode:
+            print(child.stderr[-4000:], file=sys.stderr)
+            return 2
+        runs[size] = json.loads(child.stdout.strip().splitlines()[-1])
+    one, tp = runs[1], runs[args.size]
     print(f"random Llama: hidden {args.hidden}, {args.layers} layers, 8 heads / 2 KV heads, vocab 8192, "
           f"{whole / 1e6:.1f} MB float32; {args.requests} requests x {args.new_tokens} new tokens, greedy; "
-          f"one thread per rank; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'rank':>4}  {'bytes read / checkpoint':>24}  {'column-parallel read / theirs':>30}")
-    for r in range(args.size):
-        col = sum(e.nbytes() for e in rp.plans[r].entries if e.key in column)
-        print(f"{r:>4}  {rp.bytes(r) / whole:>24.3f}  {col / whole_column:>30.3f}")
-    (_, tps1, pb1, _, _), (_, tpsn, pbn, frac, calls) = rows
-    print(f"parameters of rank 0 / TP=1's: {pbn / pb1:.3f}")
-    print(f"communication on rank 0: {frac:.1%} of generation time ({calls} collectives)")
-    print(f"output tok/s TP={args.size} / TP=1: {tpsn / tps1:.2f}  ({tpsn:.1f} vs {tps1:.1f})")
-    same = sum(a == b for a, b in zip(tokens[1], tokens[args.size]))
+          f"one thread per rank, each configuration in a fresh process; load average {os.getloadavg()[0]:.2f}")
+    peak1 = one["ranks"][0]["peak_bytes"]
+    print(f"{'rank':>4}  {'bytes read / checkpoint':>24}  {'column-parallel read / theirs':>30}  "
+          f"{'peak memory MB (/ TP=1)':>24}")
+    print(f"{'TP=1':>4}  {one['ranks'][0]['read_bytes'] / whole:>24.3f}  {1.0:>30.3f}  "
+          f"{peak1 / 1e6:>15.1f} (1.000)")
+    for r in tp["ranks"]:
+        col = sum(e.nbytes() for e in rp.plans[r["rank"]].entries if e.key in column)
+        print(f"{r['rank']:>4}  {r['read_bytes'] / whole:>24.3f}  {col / whole_column:>30.3f}  "
+              f"{r['peak_bytes'] / 1e6:>15.1f} ({r['peak_bytes'] / peak1:.3f})")
+        assert r["read_bytes"] == rp.bytes(r["rank"]), "a rank's loader report differs from its plan"
+    print(f"parameters of rank 0 / TP=1's: {tp['param_bytes'] / one['param_bytes']:.3f}")
+    step_ms, comm_ms = 1e3 * tp["seconds"] / tp["steps"], 1e3 * tp["comm"] / tp["steps"]
+    print(f"communication on rank 0 per step: {comm_ms:.2f} of {step_ms:.2f} ms ({comm_ms / step_ms:.1%}; "
+          f"{tp['calls'] / tp['steps']:.0f} collectives per step, {tp['steps']} steps)")
+    print(f"output tok/s TP={args.size} / TP=1: {tp['tok_s'] / one['tok_s']:.2f}  ({tp['tok_s']:.1f} vs "
+          f"{one['tok_s']:.1f})")
+    same = sum(a == b for a, b in zip(one["tokens"], tp["tokens"]))
     print(f"greedy tokens equal: {same}/{args.requests}")
     return 0 if same == args.requests else 1
 

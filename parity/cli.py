@@ -36,6 +36,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=4, help="KV block size of the runtime (default 4)")
     parser.add_argument("--chunk-tokens", type=int, default=7, help="chunked scenario: token budget per step")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="run the zoo side over N tensor-parallel ranks (spawned, gloo) and compare the taps "
+                             "every rank holds whole (layers, norms, attention / MLP outputs, logits)")
     parser.add_argument("--no-replay", action="store_true", help="skip the per-layer replay (localisation)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--image", action="append", metavar="PATH",
@@ -80,6 +83,9 @@ def run(args) -> int:
         if why:
             print(f"zoo parity: {flag} {path}: {why}", file=sys.stderr)
             return 2
+    if args.tensor_parallel_size < 1:
+        print(f"zoo parity: --tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", file=sys.stderr)
+        return 2
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     tmp = None
     try:
@@ -100,7 +106,8 @@ def run(args) -> int:
         result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
                             tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                             block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
-                            replay=not args.no_replay, progress=say)
+                            replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
+                            progress=say)
         images = None
         if args.image:
             from parity.multimodal import image_parity

@@ -37,7 +37,7 @@ from parity.constants import built_constants
 from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
-from parity.taps import LOGITS, reference_taps, short
+from parity.taps import LOGITS, TP_REPLICATED_ROLES, reference_taps, role_of, short
 from parity.tolerances import tolerances
 from parity.zoo_side import ZooSide
 
@@ -58,6 +58,11 @@ SCENARIO_HINTS = {
                "block tables per request)",
     "served": "the served path (no hooks): the fused native step (zoo/kernels/fused.py) or the sampler",
 }
+
+
+TP_TAPS = ("the points every rank holds whole: embeddings (after the vocab-parallel sum), norms, attention and "
+           "MLP / MoE outputs (after their all-reduce), routers, layer outputs, final norm, logits (gathered over the "
+           "vocab); not compared: column-split activations inside a block and a shared expert's partial sum")
 
 
 class ParityUsageError(Exception):
@@ -179,7 +184,7 @@ def _version(dist: str) -> str:
 def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, prompt_texts: list[str] | None = None,
                prompts_file=None, scenarios=SCENARIOS, tol_overrides: dict[str, float] | None = None,
                seed: int = 0, max_new_tokens: int = 4, block_size: int = 4, chunk_tokens: int = 7,
-               device: str = "cpu", replay: bool = True,
+               device: str = "cpu", replay: bool = True, tensor_parallel_size: int = 1,
                progress: Callable[[str], None] | None = None) -> ParityResult:
     from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
 
@@ -227,8 +232,11 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         say(f"loading the reference (transformers, float32, eager) from {files.path}")
         kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
         ref_model = load_reference(files.directory if files.is_gguf else files.path, device=device, **kw)
-        say("building the zoo model (build_model, float32)")
-        zoo = ZooSide(files.path, device=device, config=config)
+        if tensor_parallel_size > 1:
+            say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, float32)")
+        else:
+            say("building the zoo model (build_model, float32)")
+        zoo = ZooSide(files.path, device=device, config=config, tensor_parallel_size=tensor_parallel_size)
     except LoadError as e:
         if "ref_model" in locals() and exit_status(e) == 1:
             raise ZooLoadFailure(model, e) from e
@@ -237,56 +245,61 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
     except Exception as e:
         side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
         raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
-    family = zoo.spec.family
-    tol = tolerances(family, tol_overrides)
-    inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
-                         num_params=sum(p.numel() for p in zoo.model.parameters()), seed=seed, zoo_model=zoo.model)
-    prompts, prompt_texts = inputs.prompts, inputs.texts
-    for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
-        say(note)
-    arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
+    try:
+        family = zoo.spec.family
+        tol = tolerances(family, tol_overrides)
+        inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
+                             num_params=sum(p.numel() for p in zoo.model.parameters()), seed=seed, zoo_model=zoo.model)
+        prompts, prompt_texts = inputs.prompts, inputs.texts
+        for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
+            say(note)
+        arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
 
-    constants = built_constants(ref_model, zoo.model, config, set(reference_taps(ref_model)))
-    for m in constants["mismatches"]:
-        say(f"built with another constant: {m}")
-    ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
-               block_size=block_size, chunk_tokens=chunk_tokens))
-    ctx.constants = constants["mismatches"]
-    results: dict[str, ScenarioResult] = {}
-    for name in scenarios:
-        t = time.perf_counter()
-        say(f"scenario {name}")
-        try:
-            res = getattr(ctx, name)()
-        except Exception as e:  # a crash of either side in a scenario is a finding of that scenario
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            res = ScenarioResult(name, "crashed", False, [f"{type(e).__name__}: {e} (at {where.filename}:"
-                                                          f"{where.lineno} in {where.name})"], None)
-        res.info["seconds"] = round(time.perf_counter() - t, 3)
-        results[name] = res
-        say(f"  {name}: {'pass' if res.passed else 'DIVERGES'}")
+        constants = built_constants(ref_model, zoo.model, config, set(reference_taps(ref_model)))
+        for m in constants["mismatches"]:
+            say(f"built with another constant: {m}")
+        ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
+                   block_size=block_size, chunk_tokens=chunk_tokens))
+        ctx.constants = constants["mismatches"]
+        results: dict[str, ScenarioResult] = {}
+        for name in scenarios:
+            t = time.perf_counter()
+            say(f"scenario {name}")
+            try:
+                res = getattr(ctx, name)()
+            except Exception as e:  # a crash of either side in a scenario is a finding of that scenario
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                res = ScenarioResult(name, "crashed", False, [f"{type(e).__name__}: {e} (at {where.filename}:"
+                                                              f"{where.lineno} in {where.name})"], None)
+            res.info["seconds"] = round(time.perf_counter() - t, 3)
+            results[name] = res
+            say(f"  {name}: {'pass' if res.passed else 'DIVERGES'}")
 
-    hints = [f"{n} diverges while prefill passes: {SCENARIO_HINTS[n]}" for n, r in results.items()
-             if not r.passed and n in SCENARIO_HINTS and results.get("prefill") is not None
-             and results["prefill"].passed]
-    meta = {
-        "versions": {"transformers": _version("transformers"), "torch": torch.__version__, "zoo": _version("zoo")},
-        "checkpoint": str(files.path),
-        "checkpoint_sha256": checkpoint_hash(files),
-        "dtype": "float32",
-        "metrics_dtype": "float64",
-        "device": device,
-        "seed": seed,
-        "block_size": block_size,
-        "chunk_tokens": chunk_tokens,
-        "max_new_tokens": max_new_tokens,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "load_report": str(zoo.load_report),
-        "untied": [str(t) for t in getattr(zoo.load_report, "ties", []) if not t.tied],
-    }
-    return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
-                        {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
-                        constants)
+        hints = [f"{n} diverges while prefill passes: {SCENARIO_HINTS[n]}" for n, r in results.items()
+                 if not r.passed and n in SCENARIO_HINTS and results.get("prefill") is not None
+                 and results["prefill"].passed]
+        meta = {
+            "versions": {"transformers": _version("transformers"), "torch": torch.__version__, "zoo": _version("zoo")},
+            "checkpoint": str(files.path),
+            "checkpoint_sha256": checkpoint_hash(files),
+            "dtype": "float32",
+            "metrics_dtype": "float64",
+            "device": device,
+            "seed": seed,
+            "block_size": block_size,
+            "chunk_tokens": chunk_tokens,
+            "max_new_tokens": max_new_tokens,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "load_report": str(zoo.load_report),
+            "untied": [str(t) for t in getattr(zoo.load_report, "ties", []) if not t.tied],
+        }
+        if zoo.tp is not None:
+            meta["tensor_parallel"] = {"size": tensor_parallel_size, "taps": TP_TAPS}
+        return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
+                            {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
+                            constants)
+    finally:
+        zoo.close()  # a tensor-parallel group's workers stop
 
 
 
@@ -329,6 +342,8 @@ class _Run:
         self.ref_model, self.zoo, self.config, self.prompts, self.tol = ref_model, zoo, config, prompts, tol
         self.replay, self.say, self.k = replay, say, knobs
         self.wanted = set(reference_taps(ref_model)) | {LOGITS}
+        if zoo.tp is not None:  # rank 0 holds only its part of a column-split activation: replicated points only
+            self.wanted = {t for t in self.wanted if t == LOGITS or role_of(t) in TP_REPLICATED_ROLES}
         self._ref, self._packed, self._refs = None, None, {}
 
     def ref_for(self, tokens):
@@ -376,7 +391,7 @@ class _Run:
         zoo's attention modules, cos = 1 and sin = 0 from the reference's rotary modules); the culprit tap
         matching then confirms the rotary embedding, still differing rules it out."""
         guess = next((h for h in loc.hints if "position 0 matches and later positions do not" in h), None)
-        if guess is None:
+        if guess is None or self.zoo.tp is not None:  # (the workers would rotate: the test runs on one process)
             return
         tap = loc.culprit["tap"]
         matches = rotary_off_matches(self.ref_model, self.zoo, self.prompts, self.wanted, tap, self.tol,

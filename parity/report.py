@@ -22,7 +22,7 @@ import math
 import torch
 
 from parity.harness import ParityResult, ScenarioResult
-from parity.taps import SAMPLED, short
+from parity.taps import SAMPLED, TP_REPLICATED_ROLES, role_of, short
 from zoo.table import format_table
 
 
@@ -109,11 +109,15 @@ def _e(x) -> str:
 def format_summary(result: ParityResult) -> str:
     lines = [f"zoo parity: {result.architecture} ({result.family}) from {result.model}",
              f"tolerances: " + ", ".join(f"{k}={v:g}" for k, v in result.tol.items()), ""]
-    missing = sorted({t for s in result.scenarios.values() if s.comparison for t in s.comparison.missing})
+    missing = sorted({t for s in result.scenarios.values() if s.comparison for t in s.comparison.missing
+                      if "tensor_parallel" not in result.meta or role_of(t) in TP_REPLICATED_ROLES})
     if missing:
         lines.insert(2, f"not compared (no zoo module joins these reference taps; see parity_taps in parity/taps.py): "
                         f"{', '.join(missing)}")
     lines[2:2] = input_lines(result)
+    if "tensor_parallel" in result.meta:
+        tp = result.meta["tensor_parallel"]
+        lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")
     rows = []
     for name, s in result.scenarios.items():
         cmp = s.comparison

@@ -77,6 +77,9 @@ ROLES: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("final_norm", r"^((?!layers\.).)*(^|\.)norm$"),
     )
 )
+# tensor parallelism: the roles whose output every rank holds whole (after a row-parallel all-reduce or the vocab
+# gather); the rest (a shared expert's partial sum, SSM mixers) are a rank's part only
+TP_REPLICATED_ROLES = ("embed", "norm", "attn", "mlp", "router", "layer", "final_norm")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 

@@ -145,15 +145,34 @@ def runtime_findings(steps: list[dict]) -> list[str]:
 
 
 class ZooSide:
-    """The zoo model built once (build_model, float32) and run through a fresh engine per scenario."""
+    """The zoo model built once (build_model, float32) and run through a fresh engine per scenario.
 
-    def __init__(self, path, *, device: str = "cpu", config=None, processor=None):
+    tensor_parallel_size=N: rank 0 of a tensor-parallel group (zoo/runtime/distributed.py) whose workers mirror
+    every forward and head of every scenario's engine. Its taps are the points where every rank holds the whole
+    tensor (taps.TP_REPLICATED_ROLES: after the row-parallel all-reduces and the vocab gather); column-split
+    activations inside a block, and a shared expert's partial sum, are not compared."""
+
+    def __init__(self, path, *, device: str = "cpu", config=None, processor=None, tensor_parallel_size: int = 1):
         from zoo.build import build_model
 
-        self.model, self.config, self.spec, self.load_report = build_model(
-            path, dtype=torch.float32, device=device, config=config)
+        self.tp = None
+        if tensor_parallel_size > 1:
+            from zoo.runtime.distributed import TensorParallelGroup
+
+            if str(device) != "cpu":
+                raise ValueError(f"tensor parallel size {tensor_parallel_size} runs on gloo: device must be 'cpu'")
+            self.tp = TensorParallelGroup(path, tensor_parallel_size, dtype=torch.float32)
+            self.model, self.config, self.spec, self.load_report = \
+                self.tp.model, self.tp.config, self.tp.spec, self.tp.load_report
+        else:
+            self.model, self.config, self.spec, self.load_report = build_model(
+                path, dtype=torch.float32, device=device, config=config)
         self.device = device
         self.processor = processor  # a multimodal model's: its engines take images
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()
 
     def tap_names(self, wanted: set[str]) -> dict[str, str]:
         return zoo_tap_names(self.model, self.config, wanted)
@@ -164,9 +183,12 @@ class ZooSide:
 
         total = sum(len(p) + max_tokens for p in prompts)
         budget = max_num_batched_tokens or max(2048, total)
-        return LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
-                         block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                         enable_prefix_caching=enable_prefix_caching, device=self.device, processor=self.processor)
+        engine = LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
+                           block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                           enable_prefix_caching=enable_prefix_caching, device=self.device, processor=self.processor)
+        if self.tp is not None:
+            self.tp.attach(engine)  # the workers' caches take this engine's shape; its steps are mirrored
+        return engine
 
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
             max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = False,

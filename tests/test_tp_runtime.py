@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from tiny import load_reference, save_tiny
 from tiny_configs import TINY_CONFIGS
+from loader import plan_ranks
+from registry import get_registry
 from zoo import LLM
-from zoo.runtime.distributed import TensorParallelError
+from zoo.build import tensor_parallel_model
+from zoo.runtime.distributed import TensorParallelError, shared_workers
 from zoo.runtime.sampling_params import SamplingParams
 
 STEPS = 8
@@ -41,6 +47,14 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One spawned rank 1 serves every model of the module (each group loads its own on it): one spawn, not one a
+    case; on exit it stops."""
+    with shared_workers():
+        yield
+
+
 def _reference(path):
     ref = load_reference(path)
     out = []
@@ -53,7 +67,7 @@ def _reference(path):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp2_equals_transformers(name, tmp_path):
+def test_tp2_equals_transformers(name, tmp_path, shared):
     arch, overrides = CASES[name]
     path = save_tiny(arch, tmp_path / name, initializer_range=0.2, randomize=True, **overrides)
     expected = _reference(path)
@@ -64,6 +78,7 @@ def test_tp2_equals_transformers(name, tmp_path):
         llm.engine.runner.logits_hook = lambda reqs, logits: [rows.setdefault(r.request_id, []).append(l.clone())
                                                                for r, l in zip(reqs, logits)]
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+        stats = llm.tp_group.rank_stats()
     finally:
         llm.close()
     for i, (out, (tokens, logits)) in enumerate(zip(outs, expected)):
@@ -72,10 +87,93 @@ def test_tp2_equals_transformers(name, tmp_path):
         assert got.shape == logits.shape  # the vocab padding cut
         scale = logits.abs().max().item()
         torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
-    assert not any(w.is_alive() for w in llm.tp_group.workers)  # close() ended rank 1
+    assert all(w.is_alive() for w in llm.tp_group.workers)  # kept for the next model (shared_workers)
+    # each rank's own loader report: exactly the tensors and bytes of its slices in the dry run's plan
+    model, rules = tensor_parallel_model(get_registry().resolve(llm.config), llm.config, 2)
+    plans = plan_ranks(model, path, rules, 2)
+    assert [(s["rank"], s["tensors"], s["read_bytes"]) for s in stats] == \
+        [(r, len(plans.plans[r].entries), plans.bytes(r)) for r in range(2)]
+    assert stats[1]["report"].startswith("rank 1 of 2: ") and all(s["peak_bytes"] > 0 for s in stats)
 
 
-def test_killed_rank_fails_the_run_naming_it(tmp_path):
+def test_torchrun_launches_the_same_reply(tmp_path, capsys, shared):
+    """`torchrun --nproc-per-node 2 -m zoo.cli run DIR ...`: nothing spawned, RANK / WORLD_SIZE / MASTER_ADDR from
+    the launcher; rank 0 prints the reply, equal to one process's, rank 1 prints nothing."""
+    from test_cli_run import save_chat_model, words
+    from zoo.cli import main
+
+    path = save_chat_model(tmp_path / "chat", initializer_range=0.2)
+    argv = ["run", str(path), "--prompt", words(5), "--max-tokens", "8"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "zoo.cli", *argv], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == one and one.strip()
+
+
+def test_zoo_run_tensor_parallel_prints_the_same_reply(tmp_path, capsys, shared):
+    from test_cli_run import save_chat_model, words
+    from zoo.cli import main
+
+    path = save_chat_model(tmp_path / "chat", initializer_range=0.2)
+    argv = ["run", str(path), "--prompt", words(5), "--max-tokens", "8"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main(argv + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one and one.strip()
+    assert main(argv + ["--tensor-parallel-size", "3"]) == 2  # 4 heads do not split over 3 ranks: said, exit 2
+    err = capsys.readouterr().err
+    assert "config.num_attention_heads=4 does not split over tensor parallel size 3" in err and "Traceback" not in err
+
+
+def test_zoo_parity_tensor_parallel(tmp_path, capsys, shared):
+    """`zoo parity --tensor-parallel-size 2`: TP=2 against transformers at the taps every rank holds whole (a
+    shared expert's partial sum left out and said), float32 tolerances; passes on Qwen2-MoE."""
+    from zoo.cli import main
+
+    path = save_tiny("Qwen2MoeForCausalLM", tmp_path / "moe", initializer_range=0.2, randomize=True,
+                     **TINY_CONFIGS["Qwen2MoeForCausalLM"])
+    report = tmp_path / "r.json"
+    argv = ["parity", str(path), "--tensor-parallel-size", "2", "--scenario", "prefill", "--scenario", "decode",
+            "--scenario", "served", "--json", str(report), "--quiet"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel size 2 (gloo): compared at the points every rank holds whole" in out
+    assert "not compared (no zoo module" not in out  # the shared expert's tap is left out on purpose, said above
+    import json
+
+    data = json.loads(report.read_text())
+    taps = {t["name"] for t in data["scenarios"]["prefill"]["taps"]}
+    assert {"model.layers.1.mlp", "model.layers.1.mlp.gate", "model.layers.1.self_attn", "model.layers.1",
+            "model.norm"} <= taps
+    assert not any("shared_expert" in t for t in taps)
+    assert data["scenarios"]["prefill"]["logits"]["logits"]["summary"]["top1"] == 1.0  # every row's logits, gathered
+    assert data["meta"]["tensor_parallel"]["size"] == 2
+
+
+def test_parity_tensor_parallel_finds_a_bias_added_twice(tmp_path, shared, monkeypatch):
+    """A row-parallel o_proj adding its bias on top of the all-reduce twice (on rank 0): parity over TP=2 names
+    layer 0's attention."""
+    from parity.harness import run_parity
+    from zoo.layers import parallel
+
+    path = save_tiny("LlamaForCausalLM", tmp_path / "bias", initializer_range=0.2, randomize=True,
+                     attention_bias=True, num_key_value_heads=4)
+    real = parallel.RowParallelLinear.forward
+    monkeypatch.setattr(parallel.RowParallelLinear, "forward",
+                        lambda self, x: real(self, x) + (self.bias if self.bias is not None else 0))
+    result = run_parity(str(path), scenarios=("prefill",), tensor_parallel_size=2)
+    prefill = result.scenarios["prefill"]
+    assert not prefill.passed
+    assert prefill.first_divergence["tap"] == "model.layers.0.self_attn", prefill.first_divergence
+
+
+def test_killed_rank_fails_the_run_naming_it(tmp_path, shared):  # last: it kills the shared rank 1
     path = save_tiny("LlamaForCausalLM", tmp_path / "m")
     llm = LLM(str(path), tensor_parallel_size=2, num_blocks=32, block_size=4)
     worker = llm.tp_group.workers[0]
@@ -93,18 +191,4 @@ def test_killed_rank_fails_the_run_naming_it(tmp_path):
     assert time.monotonic() - t0 < 30
     assert len(steps) == 2
     llm.close()
-
-
-def test_zoo_run_tensor_parallel_prints_the_same_reply(tmp_path, capsys):
-    from test_cli_run import save_chat_model, words
-    from zoo.cli import main
-
-    path = save_chat_model(tmp_path / "chat", initializer_range=0.2)
-    argv = ["run", str(path), "--prompt", words(5), "--max-tokens", "8"]
-    assert main(argv) == 0
-    one = capsys.readouterr().out
-    assert main(argv + ["--tensor-parallel-size", "2"]) == 0
-    assert capsys.readouterr().out == one and one.strip()
-    assert main(argv + ["--tensor-parallel-size", "3"]) == 2  # 4 heads do not split over 3 ranks: said, exit 2
-    err = capsys.readouterr().err
-    assert "config.num_attention_heads=4 does not split over tensor parallel size 3" in err and "Traceback" not in err
+    assert not worker.is_alive()

@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
                              "the prompt unless the prompt holds it")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="split the model over N ranks (spawned here, gloo on the CPU; default 1)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="split the model over N ranks (spawned here, gloo on the CPU; default 1, or under "
+                             "torchrun its WORLD_SIZE: rank 0 prints, the other ranks serve its steps)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +101,22 @@ class Progress:
 
 
 def run(args) -> int:
+    from zoo.runtime.distributed import TensorParallelError, launched
     from zoo.runtime.sampling_params import SamplingParams
+
+    try:
+        env = launched()  # torchrun: RANK / WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) in the environment
+    except TensorParallelError as e:
+        return _fail(str(e), 2)
+    if env is not None and env[0] > 0:  # this rank serves rank 0's steps; rank 0 says everything
+        from zoo.runtime.distributed import run_worker
+        from zoo.runtime.model_files import resolve_model
+
+        import torch
+
+        return run_worker(resolve_model(args.model).path, dtype=getattr(torch, args.dtype))
+    if args.tensor_parallel_size is None:
+        args.tensor_parallel_size = env[1] if env is not None else 1
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -1,5 +1,5 @@
 """Tensor parallelism on torch.distributed: this process is rank 0 and runs the engine (scheduler, sampler);
-ranks 1..N-1 are spawned workers that run the same forward on their own slices every step.
+ranks 1..N-1 are workers that run the same forward on their own slices every step.
 
     group = TensorParallelGroup(path, size, dtype=torch.float32)   # spawns, joins gloo, loads rank 0's slices
     engine = LLMEngine(group.model, group.config, ...)
@@ -7,17 +7,28 @@ ranks 1..N-1 are spawned workers that run the same forward on their own slices e
     ...
     group.close()
 
-Each rank loads only its slices (loader Shard rules). Before every forward, rank 0 broadcasts the step's
-metadata (token ids, positions, slots, block tables, logits rows); every rank runs the step; the row-parallel
-sums and the vocab gathers (zoo/layers/parallel.py) are collectives of the default group, so the workers keep
-step with rank 0. Sampling happens on rank 0 only. The rendezvous is a free port on 127.0.0.1 chosen here;
-initialisation and every collective have timeouts, and a rank that dies ends the run with an error naming it.
+Launch: by default rank 0 spawns the workers (torch.multiprocessing, a free port on 127.0.0.1). Under `torchrun`
+(RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment) nothing is spawned: every process joins the
+launched group (env://), rank 0 runs the command and the others call `run_worker(path)` (zoo run does; an LLM
+built on a rank > 0 does too, and ends the process when rank 0 closes).
+
+Each rank loads only its slices (loader Shard rules). Rank 0 tells the workers what to do on a control group
+whose wait never times out (a worker may idle between requests for as long as rank 0 does): "caches" (a pool
+of the engine's shape, its heads only), "forward" (the step's metadata: token ids, positions, slots, block
+tables), "logits" (the hidden rows rank 0 takes the head of), "load" / "release" (a kept pool, below), "stop".
+The row-parallel sums and the vocab gathers (zoo/layers/parallel.py) are collectives of the default group,
+each with a timeout; a rank that dies ends the run with an error naming it. Sampling happens on rank 0 only.
+
+`shared_workers()` keeps spawned workers up across groups of one size (each group loads its own model on them):
+one spawn for many models, as the tests use it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -30,6 +41,9 @@ from zoo.runtime.batch import ForwardBatch
 INIT_TIMEOUT = 120.0  # seconds for every rank to start, join and load (spawned interpreters import torch)
 STEP_TIMEOUT = 20.0  # seconds a collective waits for the other ranks (a dead rank is usually seen at once)
 JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after close()
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step: as long as rank 0 idles
+BATCH_FIELDS = ("query_start_loc", "seq_lens", "positions", "slot_mapping", "block_tables", "logits_indices",
+                "block_size", "query_start_loc_cpu", "seq_lens_cpu")
 
 
 class TensorParallelError(RuntimeError):
@@ -42,9 +56,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, size: int, port: int, seconds: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=seconds))
+def launched() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher (torchrun) started this process as one rank of a group, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise TensorParallelError(f"RANK={os.environ['RANK']!r} / WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the "
+                                  f"environment are not integers") from None
+    return (rank, size) if size > 1 else None
+
+
+def _init(rank: int, size: int, port: int | None, seconds: float):
+    """Join the default group (tcp on 127.0.0.1:port, or env:// for a launcher); returns the control group."""
+    timeout = datetime.timedelta(seconds=seconds)
+    if port is None:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def _load(path, rank: int, size: int, dtype: torch.dtype):
@@ -64,24 +96,77 @@ def _load(path, rank: int, size: int, dtype: torch.dtype):
     return built
 
 
+def _status_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM); 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
+class Peak:
+    """This process's peak resident memory from now on: the kernel's high-water mark (VmHWM) reset here
+    (/proc/self/clear_refs 5), less the resident size now (the interpreter, torch, what was loaded before)."""
+
+    def __init__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self.baseline_kb = _status_kb("VmRSS")
+
+    def above_baseline(self) -> int:
+        """Bytes of peak resident memory above the baseline."""
+        return max(_status_kb("VmHWM") - self.baseline_kb, 0) * 1024
+
+
+def _stats(rank: int, report, peak: Peak) -> dict:
+    return {"rank": rank, "read_bytes": report.bytes, "tensors": report.tensors, "report": str(report),
+            "peak_bytes": peak.above_baseline()}
+
+
+def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
+    """A worker's loop: load its slices, then do what rank 0 says until it says stop."""
+    from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
+
+    peak = Peak()
+    model, _, _, report = _load(path, rank, size, dtype)
+    _set_timeout(STEP_TIMEOUT)
+    caches = {}
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=ctl)
+        step = msg[0]
+        op = step["op"]
+        if op == "stop":
+            return
+        if op == "forward":
+            with torch.inference_mode():
+                model(step["input_ids"], step["positions"], ForwardBatch(kv_caches=caches, **step["batch"]))
+        elif op == "logits":
+            with torch.inference_mode():
+                model.compute_logits(step["hidden"])  # [N, H] -> [N, V]: joins the gather; rank 0 samples
+        elif op == "caches":
+            caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
+        elif op == "stats":
+            dist.all_gather_object([None] * size, _stats(rank, report, peak))
+        elif op == "release":  # a kept pool: the group that used this model closed
+            model, caches = None, {}
+        elif op == "load":
+            _set_timeout(INIT_TIMEOUT)
+            peak = Peak()
+            model, _, _, report = _load(step["path"], rank, size, step["dtype"])
+            _set_timeout(STEP_TIMEOUT)
+
+
 def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype) -> None:
-    """A spawned rank: join, load its slices, then mirror rank 0's steps until it says stop."""
+    """A spawned rank: join, then serve until rank 0 says stop."""
     torch.set_num_threads(1)
     try:
-        _init(rank, size, port, INIT_TIMEOUT)
-        model, _, _, _ = _load(path, rank, size, dtype)
-        _set_timeout(STEP_TIMEOUT)
-        from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
-
-        hello = [None]
-        dist.broadcast_object_list(hello, src=0)  # the pool's shape, decided by rank 0's engine
-        caches = allocate_kv_caches(cache_specs(model), hello[0]["num_blocks"], hello[0]["block_size"])
-        while True:
-            msg = [None]
-            dist.broadcast_object_list(msg, src=0)
-            if msg[0] is None:
-                break
-            _mirror(model, msg[0], caches)
+        ctl = _init(rank, size, port, INIT_TIMEOUT)
+        _serve(rank, size, path, dtype, ctl)
     except TensorParallelError:
         pass  # rank 0 says it
     except Exception:  # noqa: BLE001 - rank 0 names this rank; the trace is for whoever reads stderr
@@ -92,13 +177,24 @@ def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype) -> N
             dist.destroy_process_group()
 
 
-@torch.inference_mode()
-def _mirror(model, step: dict, caches: dict) -> None:
-    """Rank 0's step on this rank: the forward, then the head on the rows that sample (the gathers join)."""
-    batch = ForwardBatch(kv_caches=caches, **step["batch"])
-    hidden = model(step["input_ids"], step["positions"], batch)  # [T, H]
-    if len(batch.logits_indices):
-        model.compute_logits(hidden[batch.logits_indices])  # [N, V]: only rank 0 samples
+def run_worker(path, *, dtype: torch.dtype = torch.float32) -> int:
+    """A launched rank > 0 (torchrun): join the group from the environment, load this rank's slices of `path`,
+    serve rank 0's steps until it closes. Returns the exit status (0; 1 when this rank failed, said on stderr)."""
+    rank, size = launched() or (0, 1)
+    if rank == 0:
+        raise TensorParallelError("run_worker() is for ranks > 0 of a launched group; rank 0 builds the LLM")
+    try:
+        ctl = _init(rank, size, None, INIT_TIMEOUT)
+        _serve(rank, size, str(path), dtype, ctl)
+        return 0
+    except TensorParallelError:
+        return 1  # rank 0 says it
+    except Exception as e:  # noqa: BLE001
+        print(f"tensor parallel rank {rank} of {size}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _set_timeout(seconds: float) -> None:
@@ -122,38 +218,124 @@ def _check_layout(path, size: int) -> None:
         raise TensorParallelError(f"{path}: {e}") from None
 
 
-class TensorParallelGroup:
-    """Rank 0's side: the spawned workers, the group, and rank 0's model."""
+class _Pool:
+    """Spawned workers and the group they joined with rank 0."""
 
-    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32):
-        if size < 2:
-            raise ValueError(f"tensor_parallel_size={size}: a group needs 2 or more ranks")
-        if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process: one tensor-parallel LLM "
-                               "at a time (close() the other first)")
-        self.size = size
-        _check_layout(path, size)  # an architecture or config that cannot split is said before anything spawns
+    def __init__(self, size: int, path, dtype: torch.dtype):
         port = free_port()
         ctx = mp.get_context("spawn")
+        self.size = size
         self.workers = [ctx.Process(target=_worker, args=(r, size, port, str(path), dtype), daemon=True,
                                     name=f"zoo-tp-rank-{r}") for r in range(1, size)]
         for w in self.workers:
             w.start()
+        self.ctl = None
         try:
-            _init(0, size, port, INIT_TIMEOUT)
+            self.ctl = _init(0, size, port, INIT_TIMEOUT)
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return dist.is_initialized() and all(w.is_alive() for w in self.workers)
+
+    def stop(self) -> None:
+        if self.alive() and self.ctl is not None:
+            try:
+                dist.broadcast_object_list([{"op": "stop"}], src=0, group=self.ctl)
+            except (RuntimeError, dist.DistError):
+                pass
+        for w in self.workers:
+            w.join(timeout=JOIN_TIMEOUT)
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=JOIN_TIMEOUT)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_KEEP = 0  # shared_workers() depth
+_IDLE: _Pool | None = None  # a kept pool no group uses
+
+
+@contextlib.contextmanager
+def shared_workers():
+    """Inside, a closed group leaves its spawned workers up and the next group of the same size loads its model
+    on them (one spawn for many models); on exit the kept workers stop."""
+    global _KEEP, _IDLE
+    _KEEP += 1
+    try:
+        yield
+    finally:
+        _KEEP -= 1
+        if not _KEEP and _IDLE is not None:
+            pool, _IDLE = _IDLE, None
+            pool.stop()
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the workers (spawned, kept or launched), the group, and rank 0's model."""
+
+    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32):
+        global _IDLE
+        if size < 2:
+            raise ValueError(f"tensor_parallel_size={size}: a group needs 2 or more ranks")
+        self.size, self.closed, self.pool = size, True, None
+        env = launched()
+        if env is not None and env != (0, size):
+            raise TensorParallelError(f"tensor parallel size {size}, but the launcher started this process as rank "
+                                      f"{env[0]} of {env[1]} (RANK / WORLD_SIZE in the environment)")
+        _check_layout(path, size)  # an architecture or config that cannot split is said before anything spawns
+        kept, _IDLE = _IDLE, None
+        if kept is not None and not (kept.size == size and kept.alive()):
+            kept.stop()
+            kept = None
+        if dist.is_initialized() and kept is None:
+            raise RuntimeError("torch.distributed is already initialised in this process: one tensor-parallel LLM "
+                               "at a time (close() the other first)")
+        try:
+            if env is not None:  # torchrun: every rank is already running; join them
+                self.ctl = _init(0, size, None, INIT_TIMEOUT)
+            elif kept is not None:  # the kept workers load this model
+                self.pool, self.ctl = kept, kept.ctl
+                _set_timeout(INIT_TIMEOUT)
+                dist.broadcast_object_list([{"op": "load", "path": str(path), "dtype": dtype}], src=0, group=self.ctl)
+            else:
+                self.pool = _Pool(size, path, dtype)
+                self.ctl = self.pool.ctl
+            self.closed = False
+            self.peak = Peak()
             self.model, self.config, self.spec, self.load_report = self._guard(_load, path, 0, size, dtype)
         except BaseException:
-            self.close()
+            self.close(keep=False)
             raise
         _set_timeout(STEP_TIMEOUT)
-        self.closed = False
+        self.hooked = False
+
+    @property
+    def workers(self) -> list:
+        """The spawned worker processes (none under a launcher)."""
+        return self.pool.workers if self.pool is not None else []
+
+    def _send(self, msg: dict) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.ctl)
 
     def attach(self, engine) -> None:
-        """Size the workers' caches as the engine's pool, and mirror every forward of the engine's model."""
+        """Size the workers' caches as the engine's pool, and mirror every forward and head of the model (another
+        engine on the same group may attach later: parity runs one per scenario)."""
         runner = engine.runner
-        self._guard(dist.broadcast_object_list, [{"num_blocks": engine.kv.pool.num_blocks,
-                                                  "block_size": runner.block_size}], src=0)
-        self.model.register_forward_pre_hook(self._broadcast_step)
+        self._guard(self._send, {"op": "caches", "num_blocks": engine.kv.pool.num_blocks,
+                                 "block_size": runner.block_size})
+        if not self.hooked:
+            self.hooked = True
+            self.model.register_forward_pre_hook(self._broadcast_step)
+            head = self.model.compute_logits
+
+            def compute_logits(hidden):  # every head call on rank 0 is one on each worker, on the same rows
+                self._send({"op": "logits", "hidden": hidden.detach()})
+                return head(hidden)
+
+            self.model.compute_logits = compute_logits
         execute = runner.execute
 
         def guarded(*args, **kwargs):  # a failing collective inside the step becomes an error naming the rank
@@ -161,14 +343,18 @@ class TensorParallelGroup:
 
         runner.execute = guarded
 
+    def rank_stats(self) -> list[dict]:
+        """Every rank's {"rank", "read_bytes", "tensors", "report" (its LoadReport: its slices only), "peak_bytes"
+        (its process's peak resident memory above what it held before loading: weights, KV cache, activations)}."""
+        self._guard(self._send, {"op": "stats"})
+        out = [None] * self.size
+        self._guard(dist.all_gather_object, out, _stats(0, self.load_report, self.peak))
+        return out
+
     def _broadcast_step(self, module, args) -> None:
         input_ids, positions, batch = args
-        step = dict(input_ids=input_ids, positions=positions, batch=dict(
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, positions=batch.positions,
-            slot_mapping=batch.slot_mapping, block_tables=batch.block_tables, logits_indices=batch.logits_indices,
-            block_size=batch.block_size, query_start_loc_cpu=batch.query_start_loc_cpu,
-            seq_lens_cpu=batch.seq_lens_cpu))
-        dist.broadcast_object_list([step], src=0)
+        self._send({"op": "forward", "input_ids": input_ids, "positions": positions,
+                    "batch": {f: getattr(batch, f) for f in BATCH_FIELDS}})
 
     def _guard(self, fn, *args, **kwargs):
         try:
@@ -182,7 +368,7 @@ class TensorParallelGroup:
         for w in self.workers:
             w.join(timeout=1.0)  # a rank that died is seen as exited within a moment
         dead = [(r, w.exitcode) for r, w in enumerate(self.workers, start=1) if w.exitcode is not None]
-        self.close()
+        self.close(keep=False)
         if dead:
             said = ", ".join(f"rank {r} " + (f"was killed by signal {-c}" if c < 0 else f"exited with status {c}")
                              for r, c in dead)
@@ -190,21 +376,24 @@ class TensorParallelGroup:
         return TensorParallelError(f"tensor parallel group of {self.size}: a collective failed on rank 0 "
                                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
 
-    def close(self) -> None:
-        """Tell the workers to stop, wait for them (then end them), and leave the group."""
-        if getattr(self, "closed", False):
+    def close(self, keep: bool = True) -> None:
+        """Tell the workers to stop (or, inside shared_workers(), to drop this model and wait for the next), wait
+        for them (then end them), and leave the group."""
+        global _IDLE
+        if self.closed:
             return
         self.closed = True
-        if dist.is_initialized():
-            if all(w.is_alive() for w in self.workers):
-                try:
-                    dist.broadcast_object_list([None], src=0)
-                except (RuntimeError, dist.DistError):
-                    pass
-        for w in self.workers:
-            w.join(timeout=JOIN_TIMEOUT)
-            if w.is_alive():
-                w.kill()
-                w.join(timeout=JOIN_TIMEOUT)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.pool is None:  # launched: the other ranks end when told; the launcher collects them
+            if dist.is_initialized():
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    self._send({"op": "stop"})
+                dist.destroy_process_group()
+            return
+        if keep and _KEEP and self.pool.alive():
+            try:
+                self._send({"op": "release"})
+                _IDLE = self.pool
+                return
+            except (RuntimeError, dist.DistError):
+                pass
+        self.pool.stop()

@@ -69,6 +69,12 @@ class LLM:
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
         device = check_device(device)
+        if tensor_parallel_size != 1:
+            from zoo.runtime.distributed import launched, run_worker
+
+            env = launched()
+            if env is not None and env[0] > 0:  # torchrun: this rank serves rank 0's steps, then the process ends
+                raise SystemExit(run_worker(resolve_model(model, revision=revision).path, dtype=_dtype(dtype)))
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
