@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from loader.problems import SourceError
+from loader.problems import Problem, SourceError
+from loader.quant import QUANT_TYPES
 from loader.rules import Ignore, Rules
 from loader.sources import Source, TensorInfo, _open_regular, _say
 
@@ -51,6 +52,7 @@ ARCH_LAYER_NAMES = {"gemma2": SANDWICH_NAMES, "gemma3": SANDWICH_NAMES}
 # from every tensor whose GGUF name holds "norm.weight" (its Gemma2TensorProcessor, gemma2 and gemma3)
 NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 PERMUTED_ARCHS = ("llama",)  # architectures whose converter permutes q/k rows
 # Tensors llama.cpp adds that a HF model computes itself; plan() and load() add these rules to a model's.
 GGUF_RULES = Rules(ignores=(Ignore(r"^rope_freqs\.weight$", "llama.cpp's rope frequency factors; "
@@ -240,10 +242,11 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class GGUFSource(Source):
     kind = "gguf"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, quantized: bool = False):
         import gguf  # only here (and for the type table): the rest of the loader does not need it
 
         super().__init__(path.parent, [path])
+        self.quantized = quantized  # block-quantised tensors kept as blocks (loader/quant.py)
         self._gguf = gguf
         self.rules = GGUF_RULES
         fd = _open_regular(Path(path), path.name)
@@ -268,7 +271,8 @@ class GGUFSource(Source):
             if key in self._infos:
                 raise SourceError([], f"{path.name}: tensors {t} and {self._tensors[key][0]} both map to {key}")
             dtype = float_types.get(kind, torch.float32)  # quantised types dequantise to float32
-            self._infos[key] = TensorInfo(tuple(int(s) for s in reversed(dims)), dtype, path.name)
+            shape = tuple(int(s) for s in reversed(dims))
+            self._infos[key] = TensorInfo(shape, dtype, path.name, self._keep(t, key, kind, shape))
             self._tensors[key] = (t, kind, offset)
         if self.architecture in PERMUTED_ARCHS:  # the q/k rows must split into the heads the metadata names
             for key, info in self._infos.items():
@@ -280,8 +284,55 @@ class GGUFSource(Source):
                                               f"which {arch}.attention.{field}={_say(heads)} does not split into "
                                               f"heads of rotary pairs")
 
+    def _keep(self, t: str, key: str, kind: int, shape: tuple[int, ...]):
+        """The QuantType a tensor is kept as (quantized=True, a block-quantised type), else None; a type zoo
+        has no kernels for is a problem naming the tensor (dequantising it is the user's choice)."""
+        if not self.quantized or kind in FLOAT_TYPES:
+            return None
+        if kind not in QUANT_TYPES:
+            self.problems.append(Problem("dtype", key, self.files[0].name, None,
+                f"{self.files[0].name}: tensor {t} ({key}) is {_type_name(kind)}, which zoo cannot run quantized "
+                f"(it runs {', '.join(q.name for q in QUANT_TYPES.values())}); dequantize the file instead "
+                f"(zoo run --dtype float32, LLM(path, dtype='float32'))"))
+            return None
+        return QUANT_TYPES[kind]
+
     def order(self, key: str) -> tuple:
         return ("", self._tensors[key][2])
+
+    def read_into(self, key: str, out: torch.Tensor) -> int:
+        """A kept-quantised tensor: its blocks, rows unpermuted like the float path's (a block row is a weight
+        row), into `out` (uint8 [rows, row bytes]); any other: dequantised as get() reads it."""
+        info = self.info(key)
+        if info.quant is None:
+            return super().read_into(key, out)
+        row = info.quant.row_bytes(info.shape[-1])
+        if len(info.shape) != 2 or tuple(out.shape) != (info.shape[0], row) or out.dtype is not torch.uint8:
+            raise ValueError(f"{key}: a {info.quant.name} {list(info.shape)} tensor goes into uint8 "
+                             f"[{info.shape[0]}, {row}], not {out.dtype} {list(out.shape)}")
+        import numpy as np
+
+        _, _, offset = self._tensors[key]
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.shape[0] * row, offset=offset)
+        raw = raw.reshape(info.shape[0], row)
+        heads = self._heads(key)
+        if heads:  # the rows of each head from (half, 2) back to (2, half), as unpermute()
+            raw = raw.reshape(heads, info.shape[0] // heads // 2, 2, row).swapaxes(1, 2).reshape(info.shape[0], row)
+        out.numpy()[...] = raw  # (numpy: a read-only mapping is not a torch tensor's storage)
+        return info.nbytes
+
+    def _heads(self, key: str) -> int | None:
+        """The heads a q/k projection's rows are permuted in (llama.cpp's converter), else None."""
+        if self.architecture in PERMUTED_ARCHS and self.n_heads:
+            if key.endswith("self_attn.q_proj.weight") or key.endswith("self_attn.q_proj.bias"):
+                return int(self.n_heads)
+            if key.endswith("self_attn.k_proj.weight") or key.endswith("self_attn.k_proj.bias"):
+                return int(self.n_kv_heads)
+        return None
+
+    def _unpermute(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        heads = self._heads(key)
+        return unpermute(out, heads) if heads else out
 
     def close(self) -> None:
         self._buf.close()
@@ -312,9 +363,4 @@ class GGUFSource(Source):
         out = out.reshape(info.shape)
         if self.architecture in NORM_SHIFTED_ARCHS and "norm.weight" in gguf_name:
             out = out.float() - 1  # the converter's w + 1 back to the checkpoint's w (computed in float32)
-        if self.architecture in PERMUTED_ARCHS and self.n_heads:
-            if key.endswith("self_attn.q_proj.weight") or key.endswith("self_attn.q_proj.bias"):
-                out = unpermute(out, int(self.n_heads))
-            elif key.endswith("self_attn.k_proj.weight") or key.endswith("self_attn.k_proj.bias"):
-                out = unpermute(out, int(self.n_kv_heads))
-        return out.to(info.dtype)
+        return self._unpermute(key, out).to(info.dtype)

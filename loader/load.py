@@ -17,6 +17,7 @@ import torch
 from loader.mapping import Region
 from loader.plan import TieDecision, plan
 from loader.problems import LoadError, Problem, SourceError
+from loader.quant import nonfinite_blocks
 from loader.rules import Rules
 from loader.shard import Parallel
 from loader.sources import Source, open_source
@@ -39,6 +40,7 @@ class LoadReport:
     # parameters and buffers the load left on the meta device: non-persistent buffers no checkpoint holds
     # (transformers' rotary inv_freq), derived from the config; materialize() computes them
     on_meta: list[str] = field(default_factory=list)
+    quantized: dict[str, str] = field(default_factory=dict)  # param -> its blocks' layout, kept quantised
 
     def __str__(self) -> str:
         s = "" if self.tp is None or self.tp.size == 1 else f"rank {self.tp.rank} of {self.tp.size}: "
@@ -71,9 +73,10 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     device = torch.device(device)
     written = {e.param for e in p.entries}  # (a persistent buffer the checkpoint lacks keeps its value)
     stored = [n for n, o in p.owner.items() if n == o and (n in written or not p.params[n].buffer)]
-    storage = _given(allocate, {n: (torch.Size(p.params[n].shape), p.dtypes[n]) for n in stored
-                                if not p.params[n].buffer}, device) if allocate is not None else {}
-    storage.update({n: torch.empty(p.params[n].shape, dtype=p.dtypes[n], device=device)
+    shapes = {n: _stored_shape(p, n) for n in stored}  # (a quantised parameter: its blocks' bytes, uint8)
+    storage = _given(allocate, {n: shapes[n] for n in stored if not p.params[n].buffer}, device) \
+        if allocate is not None else {}
+    storage.update({n: torch.empty(shapes[n][0], dtype=shapes[n][1], device=device)
                     for n in stored if n not in storage})
     for name, pads in p.pads.items():  # vocab rows past the real vocabulary: no checkpoint's, zero
         for pad in pads:
@@ -83,7 +86,12 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     problems: list[Problem] = []
 
     def read(e) -> tuple[int, int]:  # (bytes read, non-finite values); runs in a worker thread
-        dest = e.region.view(storage[e.param])
+        if e.quant is not None:  # its rows' blocks
+            layout = p.quant[e.param]
+            dest = layout.rows(storage[e.param], *((e.region.start, e.region.stop) if e.region.dim == 0
+                                                   else (0, layout.shape[0])))
+        else:
+            dest = e.region.view(storage[e.param])
         try:
             if e.slice is not None:  # this rank's rows (cols) only, narrowed before anything is read
                 n = source.read_slice_into(e.key, dest, e.slice.dim, e.slice.start, e.slice.stop)
@@ -96,7 +104,9 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         except OSError as err:  # the file changed or failed under us
             raise SourceError([Problem("file", e.key, e.file, None, f"{e.key} in {e.file} cannot be read "
                                        f"({err.strerror or type(err).__name__})")]) from None
-        return n, nonfinite(dest) if check_finite else 0
+        if not check_finite:
+            return n, 0
+        return n, (nonfinite_blocks(dest, e.quant) * e.quant.block if e.quant is not None else nonfinite(dest))
 
     entries = sorted(p.entries, key=lambda e: source.order(e.key))
     # A few threads fault pages in parallel (the copies release the GIL); results are taken in order.
@@ -114,6 +124,7 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         raise LoadError(problems, f"{_count(problems)} in {source.directory} (nothing was loaded)")
     _swap_in(module, p, storage, device)
     report.on_meta = on_meta(module)
+    report.quantized = {n: str(layout) for n, layout in p.quant.items()}
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -177,6 +188,11 @@ def materialize(module: torch.nn.Module, *, device="cpu", init: Callable[[torch.
             raise ValueError(f"materialize: init({type(mod).__name__}) left {', '.join(left)} on the meta device")
         done += names
     return done
+def _stored_shape(p, name: str) -> tuple[torch.Size, torch.dtype]:
+    """What a parameter is stored as: its shape and dtype, or for a quantised one its bytes (uint8 [bytes])."""
+    if name in p.quant:
+        return torch.Size([p.quant[name].nbytes]), torch.uint8
+    return torch.Size(p.params[name].shape), p.dtypes[name]
 
 
 def _given(allocate, shapes: dict, device: torch.device) -> dict[str, torch.Tensor]:
@@ -203,7 +219,8 @@ def nonfinite(t: torch.Tensor) -> int:
 def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], device: torch.device) -> None:
     clash = [Problem("shape", None, None, name, f"{name} has shape {list(p.params[name].shape)} but would share "
                                                  f"{owner}'s tensor of shape {list(storage[owner].shape)}")
-             for name, owner in p.owner.items() if owner in storage and storage[owner].shape != p.params[name].shape]
+             for name, owner in p.owner.items() if owner in storage and owner not in p.quant
+             and storage[owner].shape != p.params[name].shape]
     if clash:  # plan() refuses such ties; checked again before the module is touched
         raise LoadError(clash, f"{_count(clash)} tying parameters of {type(module).__name__} (nothing was loaded)")
     old = dict(module.named_parameters(remove_duplicate=False))
@@ -218,6 +235,9 @@ def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], devic
             was = old[owner]
             new = torch.nn.Parameter(t, requires_grad=was.requires_grad and t.is_floating_point())
             new.__dict__.update(was.__dict__)  # layer attributes such as shard_sizes
+            new.__dict__.pop("quant", None)
+            if owner in p.quant:  # uint8 bytes: the layer reads the layout (shape, types) from here
+                new.quant = p.quant[owner]
             new_params[owner] = new
         _set(module, name, new_params[owner], buffer=False)
     for mod in module.modules():  # buffers the checkpoint does not hold follow the parameters

@@ -61,6 +61,7 @@ class ParamInfo:
     shard_sizes: tuple[int, ...] | None = None
     buffer: bool = False
     meta: bool = False
+    quantizable: bool = False  # its layer computes with block-quantised weights (the tensor's `quantizable`)
 
 
 @dataclass(frozen=True)

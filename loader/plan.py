@@ -20,6 +20,7 @@ import torch
 from loader.coverage import overlapping_pairs, unwritten, volume
 from loader.mapping import Mapper, ParamInfo, Region
 from loader.problems import Problem
+from loader.quant import QuantLayout, QuantType, layout_for, nbytes as quant_nbytes
 from loader.rules import Rules, Shard, Transform
 from loader.shard import Parallel, Slice, full_size, local_size, shard_dim, slice_of, split_problem
 from loader.sources import Source, open_source
@@ -35,9 +36,12 @@ class Entry:
     region: Region
     transform: Transform | None = None  # the key holds the parameter in this layout
     slice: Slice | None = None  # tensor parallel: the part of the key's tensor this rank reads (None: all)
+    quant: QuantType | None = None  # kept block-quantised (loader/quant.py)
 
     def nbytes(self, itemsize: int | None = None) -> int:
         """Bytes of the part this entry reads."""
+        if self.quant is not None:
+            return quant_nbytes(self.shape, self.quant)
         n = 1
         for s in self.shape:
             n *= s
@@ -70,6 +74,7 @@ class Plan:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # param -> dtype it is allocated with
     tp: Parallel | None = None
     pads: dict[str, list[Region]] = field(default_factory=dict)  # param -> vocab padding rows (zeroed)
+    quant: dict[str, QuantLayout] = field(default_factory=dict)  # param -> its blocks' layout (stored as bytes)
 
     @property
     def ok(self) -> bool:
@@ -133,12 +138,17 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                 f"{list(info.shape)} but {where} expects {list(expected)}" + _missing_part(info.shape, piece, tp)))
         dst = dest_dtype(p, dtype)
         on_purpose = dtype is not None and info.dtype.is_floating_point and dst.is_floating_point
-        if not on_purpose and lossy(info.dtype, dst):  # dtype= casts floats to floats, nothing else
+        if info.quant is not None and (why := _unquantizable(p, m, piece)):
+            out.problems.append(Problem("dtype", key, info.file, where, f"{key} in {info.file} is "
+                f"{info.quant.name} (kept quantized) but {where} {why}; dequantize the file instead "
+                f"(zoo run --dtype float32)"))
+        elif not on_purpose and lossy(info.dtype, dst):  # dtype= casts floats to floats, nothing else
             out.problems.append(Problem("dtype", key, info.file, where,
                 f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
                 + ("(dtype= casts floating-point to floating-point only)" if dtype is not None
                    else "(pass dtype= to load() to cast on purpose)")))
-        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece))
+        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece,
+                                 info.quant))
         writes.setdefault(m.name, []).append((region.box(p.shape), key, info.file, region))
 
     out.owner = {name: name for name in params}
@@ -152,6 +162,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
     for name in list(out.owner):  # a tie of a tie ends at the tensor that is loaded
         while out.owner[out.owner[name]] != out.owner[name]:
             out.owner[name] = out.owner[out.owner[name]]
+    out.problems += _quant_layouts(out)
     for name, p in params.items():
         out.dtypes[name] = dest_dtype(p, dtype)
         if out.owner[name] == name:
@@ -278,7 +289,8 @@ def module_params(module: torch.nn.Module) -> tuple[dict[str, ParamInfo], list[l
     by_id: dict[int, list[str]] = {}
     for name, t in module.named_parameters(remove_duplicate=False):
         sizes = getattr(t, "shard_sizes", None)
-        params[name] = ParamInfo(tuple(t.shape), t.dtype, tuple(sizes) if sizes else None, meta=t.is_meta)
+        params[name] = ParamInfo(tuple(t.shape), t.dtype, tuple(sizes) if sizes else None, meta=t.is_meta,
+                                 quantizable=bool(getattr(t, "quantizable", False)))
         by_id.setdefault(id(t), []).append(name)
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for leaf, t in mod._buffers.items():
@@ -302,6 +314,43 @@ def _ties(groups, rules: Rules, params, writes):
         if t.param in params and t.source in params and t.param not in seen and not writes.get(t.param):
             seen.add(t.param)
             yield t.param, t.source, True
+
+
+def _unquantizable(p: ParamInfo, m, piece) -> str | None:
+    """Why a quantised tensor cannot fill this part of p as blocks (None: it can): whole rows of a matrix
+    whose layer computes with quantised weights."""
+    if not p.quantizable:
+        return "belongs to a layer that computes with float weights only"
+    if m.transform is not None or piece is not None or m.region.expert is not None or m.region.dim not in (None, 0):
+        return "is filled through a transform, a tensor-parallel slice, an expert index or columns, not whole rows"
+    return None
+
+
+def _quant_layouts(out: Plan) -> list[Problem]:
+    """Each parameter filled from quantised tensors gets its layout (row ranges and their types); one that
+    would mix quantised and float tensors, or whose shape the blocks do not tile, is a problem."""
+    problems, pieces = [], {}
+    for e in out.entries:
+        pieces.setdefault(e.param, []).append(e)
+    for name, entries in pieces.items():
+        quant = [e for e in entries if e.quant is not None]
+        if not quant:
+            continue
+        if len(quant) != len(entries):
+            floats = next(e for e in entries if e.quant is None)
+            problems.append(Problem("dtype", floats.key, floats.file, name, f"{name} would mix quantized tensors "
+                f"({quant[0].key}: {quant[0].quant.name}) and float ones ({floats.key}: {_dt(floats.dtype)}); "
+                f"dequantize the file instead (zoo run --dtype float32)"))
+            continue
+        shape = out.params[name].shape
+        rows = [(e.region.start, e.region.stop) if e.region.dim == 0 else (0, shape[0] if shape else 0) for e in quant]
+        layout = layout_for(shape, [(a, b, e.quant) for (a, b), e in zip(rows, quant)])
+        if isinstance(layout, str):
+            problems.append(Problem("shape", quant[0].key, quant[0].file, name, f"{quant[0].key} in {quant[0].file} "
+                                    f"-> {name}: {layout}"))
+            continue
+        out.quant[name] = layout
+    return problems
 
 
 def dest_dtype(p: ParamInfo, dtype: torch.dtype | None) -> torch.dtype:

@@ -50,9 +50,14 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     file: str  # file name, relative to the source directory
+    quant: object = None  # a loader.quant.QuantType: kept block-quantised (dtype: what it dequantises to)
 
     @property
     def nbytes(self) -> int:
+        if self.quant is not None:
+            from loader.quant import nbytes
+
+            return nbytes(self.shape, self.quant)
         n = self.dtype.itemsize
         for s in self.shape:
             n *= s
@@ -293,12 +298,14 @@ def _torch_load(f: Path, name: str) -> dict:
 
 
 def open_source(path_or_hub_id, *, allow_bin: bool = False, cache_dir=None, revision: str | None = None,
-                strict: bool = True) -> Source:
+                strict: bool = True, quantized: bool = False) -> Source:
     """A Source for a local directory or file (safetensors, sharded safetensors, .gguf, .bin with
     allow_bin=True) or a hub id resolved through the huggingface_hub cache (HF_HUB_OFFLINE honoured).
 
     strict=True raises SourceError when the files disagree with each other (index vs shards); with
     strict=False those problems stay in `source.problems` (plan() and load() report them with the rest).
+    quantized=True: a GGUF's block-quantised tensors stay quantised (loader/quant.py); a type without
+    kernels is a problem naming the tensor. Only for a GGUF file (a SourceError otherwise).
     """
     if isinstance(path_or_hub_id, Source):
         return path_or_hub_id
@@ -307,18 +314,21 @@ def open_source(path_or_hub_id, *, allow_bin: bool = False, cache_dir=None, revi
         if not _looks_like_hub_id(str(path_or_hub_id)):
             raise SourceError([], f"{path_or_hub_id}: no such file or directory (and not a hub id 'org/name')")
         path = _from_hub(str(path_or_hub_id), allow_bin=allow_bin, cache_dir=cache_dir, revision=revision)
-    source = _open_local(path, allow_bin)
+    source = _open_local(path, allow_bin, quantized)
+    if quantized and source.kind != "gguf":
+        raise SourceError([], f"{path}: quantized=True keeps a GGUF file's blocks; this is a {source.kind} "
+                              f"checkpoint")
     if strict and source.problems:
         raise SourceError(source.problems, f"checkpoint {path} is inconsistent")
     return source
 
 
-def _open_local(path: Path, allow_bin: bool) -> Source:
+def _open_local(path: Path, allow_bin: bool, quantized: bool = False) -> Source:
     if path.is_file():
         if path.suffix == ".gguf":
             from loader.gguf import GGUFSource  # the gguf package is imported only for GGUF files
 
-            return GGUFSource(path)
+            return GGUFSource(path, quantized=quantized)
         if path.suffix == ".safetensors":
             return SafetensorsSource(path.parent, [path], named=path)
         if path.name.endswith(".safetensors.index.json"):
@@ -337,7 +347,7 @@ def _open_local(path: Path, allow_bin: bool) -> Source:
         return _open_bin(path, allow_bin, None)
     if len(ggufs := sorted(path.glob("*.gguf"))) == 1:
         check_file(ggufs[0], path)  # (found in the directory, not named: it must live there)
-        return _open_local(ggufs[0], allow_bin)
+        return _open_local(ggufs[0], allow_bin, quantized)
     raise SourceError([], f"no weights in {path}: looked for model.safetensors, model.safetensors.index.json, "
                           f"*.safetensors, one *.gguf (and pytorch_model*.bin with allow_bin=True)")
 

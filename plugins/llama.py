@@ -92,7 +92,8 @@ class LlamaAttention(nn.Module):
 
     def cache_spec(self) -> CacheSpec:
         """One token of this layer's cache: (2, KV, D) in the weights' dtype; keyed by `self.prefix`."""
-        return self.attn.spec(self.o_proj.weight.dtype)
+        w = self.o_proj.weight
+        return self.attn.spec(torch.float32 if w.dtype is torch.uint8 else w.dtype)  # (uint8: quantised blocks)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))  # [T, (Hq+2KV)*D] -> [T, Hq*D], 2x [T, KV*D]

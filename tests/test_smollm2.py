@@ -58,3 +58,32 @@ def test_stop_string_ends_the_answer_before_it(llm):
     (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
     assert "Paris" not in out.text and out.text.startswith("The capital of France is")
+
+
+@pytest.fixture(scope="module")
+def qllm():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(quantization="gguf")  # the same file, its Q4_1 / Q8_0 blocks kept (what `zoo run` runs)
+    torch.set_num_threads(n)
+
+
+RAGGED = ("The history of the city begins with a small settlement on the river, where traders from the north "
+          "met farmers from the valleys. Over the centuries it grew into a market town, then a capital, and its "
+          "bridges, churches and printing houses drew scholars from every part of the continent. Today")
+
+
+def test_quantized_default_model_answers_as_the_float32_one(llm, qllm):
+    """Kept quantized (block kernels, fused step), the embedded default gives today's float32 greedy tokens: on
+    the README's question and on 16 ragged prompts run as one batch."""
+    assert qllm.load_report.quantized["model.embed_tokens.weight"] == "Q8_0 [49152, 576]"
+    assert qllm.engine.runner.step_path.startswith("fused native step")
+    ids = qllm.apply_chat_template([{"role": "user", "content": QUESTION}])
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (q,), (f,) = qllm.generate([ids], params), llm.generate([ids], params)
+    assert q.text == f.text == "The capital of France is Paris." and q.token_ids == f.token_ids
+    words = llm.tokenizer.encode(RAGGED)
+    prompts = [words[i % 7: i % 7 + 3 + 4 * i] for i in range(16)]  # 3..63 tokens, different starts
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got, want = qllm.generate(prompts, params), llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

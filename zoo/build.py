@@ -18,17 +18,21 @@ LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None,
-                tp: loader.Parallel | None = None):
+                tp: loader.Parallel | None = None, quantized: bool = False):
     """(model in eval mode, transformers config, ArchSpec, loader.LoadReport).
 
     `path_or_source` is a local directory in the Hugging Face layout, a hub id, or a `loader.Source`;
     `config` (a transformers PretrainedConfig) replaces the checkpoint's config.json when given.
     `tp=Parallel(rank, size)`: this rank's part of a tensor-parallel model (its slices only, the layers that
     talk to the other ranks swapped in: zoo/layers/parallel.py); its forward needs torch.distributed's group.
+    `quantized=True`: a GGUF's block-quantised weights stay quantised (CPU, float32 for the rest; loader/quant.py).
     """
+    if quantized and (torch.device(device).type != "cpu" or dtype is not torch.float32 or tp is not None):
+        raise ValueError("a quantized GGUF runs on the CPU, with float32 activations, tensor parallel size 1 "
+                         f"(got device={device}, dtype={dtype}, tp={tp}); dequantize it for the others")
     # not strict here: an index that disagrees with its shards is reported by load() with every other problem
-    source = loader.open_source(path_or_source, strict=False) if isinstance(path_or_source, (str, Path)) \
-        else path_or_source
+    source = loader.open_source(path_or_source, strict=False, quantized=quantized) \
+        if isinstance(path_or_source, (str, Path)) else path_or_source
     if config is None:
         config = read_config(str(source.directory), str(source.directory))
     else:

@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of where a model comes from, shared by zoo run and zoo serve (vLLM's names and meanings)."""
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weights dtype (default: a GGUF file runs with its blocks kept quantized, anything "
+                             "else in float32; a dtype given dequantizes a GGUF to it)")
     parser.add_argument("--tokenizer", metavar="PATH_OR_ID", help="a tokenizer directory, .gguf file or hub id to "
                                                                   "use instead of the model's (its chat template too)")
     parser.add_argument("--revision", metavar="REV", help="the hub id's branch, tag or commit (default: main); "
@@ -320,8 +322,8 @@ def _load(args, **engine):
     try:
         if not _may_download(args.model):  # (huggingface_hub draws its own progress bars: no spinner over them)
             progress("starting")
-        llm = LLM(args.model, dtype=args.dtype, progress=progress, tokenizer=args.tokenizer, revision=args.revision,
-                  **engine)
+        llm = LLM(args.model, dtype=args.dtype or "float32", progress=progress, tokenizer=args.tokenizer,
+                  revision=args.revision, quantization="auto" if args.dtype is None else None, **engine)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
             TensorParallelError, Refused, ValueError) as e:  # (ValueError: an option refused, e.g. no KV room)
         progress.done("failed")
@@ -332,7 +334,10 @@ def _load(args, **engine):
             return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
         return _fail(str(e), 2)
     kv = llm.engine.kv
-    progress.done(f"loaded {llm.files.name} in {llm.load_seconds:.1f}s; KV pool holds "
+    quant = getattr(llm.load_report, "quantized", None)
+    kept = f" ({len(quant)} weights kept quantized: {', '.join(sorted({q.split()[0] for q in quant.values()}))})" \
+        if quant else ""
+    progress.done(f"loaded {llm.files.name}{kept} in {llm.load_seconds:.1f}s; KV pool holds "
                   f"{kv.pool.num_blocks * kv.block_size} tokens ({llm.engine.kv_bytes_per_token} B/token)")
     for t in getattr(llm.load_report, "ties", []):
         if not t.tied:  # the config ties them but the checkpoint holds its own: said, not silent

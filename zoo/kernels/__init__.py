@@ -61,7 +61,9 @@ _SIGNATURES = {
     "zoo_gelu_tanh_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_argmax": [_P, _L, _L, _L, _P, _I],
     "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
-                          _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I],
+                          _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I, _P, _P],
+    "zoo_qlinear": [_P, _L, _L, _P, _P, _P, _L, _I],
+    "zoo_qembed": [_P, _L, _P, _P, _I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
 }
@@ -71,6 +73,70 @@ _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"]
 _RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
+
+
+class QMat(ctypes.Structure):
+    """A block-quantised weight for cpu.cpp (struct QMat): up to 4 row segments, each with its GGML type."""
+    _fields_ = [("nseg", ctypes.c_long), ("K", ctypes.c_long), ("rows", ctypes.c_long * 4),
+                ("type", ctypes.c_long * 4), ("data", ctypes.c_void_p * 4)]
+
+
+QUANT_CODES = (2, 3, 8, 12, 13, 14)  # the GGML types cpu.cpp computes with: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+
+
+def qmat(weight: torch.Tensor) -> QMat | None:
+    """The QMat of a quantised parameter (uint8 bytes with a loader.quant.QuantLayout as `weight.quant`), kept
+    on the tensor while its storage stays; None when a segment's type has no kernel or there are more than 4."""
+    held = getattr(weight, "_zoo_qmat", None)
+    if held is not None and held[0] == weight.data_ptr():
+        return held[1]
+    layout = weight.quant
+    if len(layout.segments) > 4 or any(t.code not in QUANT_CODES for _, _, t in layout.segments) \
+            or not weight.is_contiguous() or weight.numel() != layout.nbytes:
+        return None
+    q = QMat(len(layout.segments), layout.shape[1])
+    for i, ((a, b, t), at) in enumerate(zip(layout.segments, layout.offsets())):
+        q.rows[i], q.type[i], q.data[i] = b - a, t.code, weight.data_ptr() + at
+    weight._zoo_qmat = (weight.data_ptr(), q)
+    return q
+
+
+def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for a block-quantised weight w (weight.quant its layout, [N, K]): [..., K] -> [..., N],
+    float32 math on the dequantised values (dequantise() gives them), in another summation order."""
+    _float32("qlinear", "x bias", x, bias)
+    n, k = weight.quant.shape
+    if x.dim() < 1 or x.shape[-1] != k or (bias is not None and bias.shape != (n,)):
+        raise _bad("qlinear", "x [..., K] and bias [N] do not fit the weight [N, K]", x=x.shape, weight=(n, k),
+                   **({"bias": bias.shape} if bias is not None else {}))
+    q = qmat(weight)
+    m = x.numel() // k if k else 0
+    if q is None or m == 0 or (bias is not None and not bias.is_contiguous()) or not enabled():
+        return F.linear(x, dequantize(weight), bias)
+    x2 = _rows(x)
+    y = torch.empty(m, n)
+    _lib.zoo_qlinear(x2.data_ptr(), m, x2.stride(0), ctypes.addressof(q), _ptr(bias), y.data_ptr(), n,
+                     torch.get_num_threads())
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, dequantise(weight)) for a block-quantised table [V, H]: [T] -> [T, H]."""
+    v, h = weight.quant.shape
+    q = qmat(weight)
+    flat = _int(ids.reshape(-1), torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= v):
+        raise IndexError(f"embedding: token ids must lie in [0, {v}), got {int(flat.min())}..{int(flat.max())}")
+    if q is None or not enabled() or torch.is_grad_enabled():  # the reference: the rows, dequantised
+        return weight.quant.dequantize(weight, flat).view(*ids.shape, h)
+    out = torch.empty(flat.numel(), h)
+    _lib.zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), torch.get_num_threads())
+    return out.view(*ids.shape, h)
+
+
+def dequantize(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of a block-quantised parameter, by the gguf package's dequantiser (the reference)."""
+    return weight.quant.dequantize(weight)
 
 
 def enabled() -> bool:
@@ -224,19 +290,19 @@ def pack_weights(model: torch.nn.Module) -> int:
     return nbytes
 
 
-def _arena(shapes: list) -> tuple[list[torch.Tensor], object, int]:
-    """Uninitialised float32 views of `shapes`, end to end (each on a 64-byte line) in one huge-page buffer:
-    (views, the buffer, its bytes)."""
-    align = 16  # floats: each matrix starts on a cache line
-    sizes = [(math.prod(s) + align - 1) // align * align for s in shapes]
+def _arena(shapes: list, dtypes: list | None = None) -> tuple[list[torch.Tensor], object, int]:
+    """Uninitialised views of `shapes` (float32, or `dtypes`: float32 or uint8, a quantised weight's bytes), end to
+    end (each on a 64-byte line) in one huge-page buffer: (views, the buffer, its bytes)."""
+    dtypes = dtypes or [torch.float32] * len(shapes)
+    sizes = [(math.prod(s) * d.itemsize + 63) // 64 * 64 for s, d in zip(shapes, dtypes)]  # bytes
     if not sizes:
         return [], None, 0
-    buf, raw = _huge_buffer(sum(sizes) * 4)
-    arena, views, offset = raw.view(torch.float32), [], 0
-    for shape, size in zip(shapes, sizes):
-        views.append(arena[offset:offset + math.prod(shape)].view(shape))
+    buf, raw = _huge_buffer(sum(sizes))
+    views, offset = [], 0
+    for shape, dtype, size in zip(shapes, dtypes, sizes):
+        views.append(raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
         offset += size
-    return views, buf, sum(sizes) * 4
+    return views, buf, sum(sizes)
 
 
 def packed_allocator(model: torch.nn.Module):
@@ -251,9 +317,10 @@ def packed_allocator(model: torch.nn.Module):
     held = {}
 
     def allocate(shapes: dict) -> dict[str, torch.Tensor]:
-        names = [n for n, (_, dtype) in shapes.items() if dtype is torch.float32 and n in order]
+        # float32 weights, and quantised ones (uint8 bytes): both stream once per decode step
+        names = [n for n, (_, dtype) in shapes.items() if dtype in (torch.float32, torch.uint8) and n in order]
         names.sort(key=order.__getitem__)  # module order, embeddings last
-        views, held["buf"], held["bytes"] = _arena([shapes[n][0] for n in names])
+        views, held["buf"], held["bytes"] = _arena([shapes[n][0] for n in names], [shapes[n][1] for n in names])
         return dict(zip(names, views))
 
     allocate.held = held

@@ -563,6 +563,316 @@ extern "C" void zoo_linear_bf16(const float* x, long M, long ldx, const bf16* w,
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Linear over block-quantised weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; loader/quant.py): y = x w^T
+// (+ b) with w's rows stored as blocks. A block is unpacked into int8 values q and float scales (one per
+// sub-block of SUB elements) and, for the types with a minimum (Q4_1, Q4_K, Q5_K), offsets (one per 32):
+// w = scale q + offset. The GEMV (M <= 4) never writes w out: per sub-block it forms sum q x in registers,
+// adds scale times that to the row's accumulator, and offset times sum x (the row of x's sums per 32,
+// computed once per call): float32 math on the dequantised values, in another order (the float path sums
+// w x; this sums q x, then scales). More rows: 48 rows of w at a time are dequantised (w = scale q + offset,
+// the values the gguf package's dequantiser gives) into a thread-local float panel that the float GEMM's
+// tiles run over. A weight may be several row segments of different types (a fused q/k/v: Q4_K, Q4_K, Q6_K).
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct QMat {  // mirrored by zoo/kernels/__init__.py's QMat
+    long nseg, K;
+    long rows[4], type[4];
+    const uint8_t* data[4];
+};
+
+static inline long q_block(long type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+static inline long q_block_bytes(long type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        default: return 210;  // Q6_K
+    }
+}
+static inline long q_row_bytes(long type, long K) { return K / q_block(type) * q_block_bytes(type); }
+
+static inline float half_to_float(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  // subnormal
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+struct Unpacked {
+    alignas(64) int8_t q[256];
+    float scale[16], off[8];
+};
+
+// the 6-bit scale and min j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
+static inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+    if (j < 4) {
+        sc = s[j] & 63, m = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// one block of type T -> its int8 values (in u.q, or in the block itself for Q8_0), scales and offsets
+template <int T>
+static inline const int8_t* unpack(const uint8_t* b, Unpacked& u) {
+    if (T == Q8_0) {
+        u.scale[0] = half_to_float(b);
+        return (const int8_t*)(b + 2);
+    }
+    if (T == Q4_0 || T == Q4_1) {
+        const uint8_t* qs = b + (T == Q4_1 ? 4 : 2);
+        const int8_t sub = T == Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; j++) {
+            u.q[j] = (int8_t)((qs[j] & 0xF) - sub);
+            u.q[j + 16] = (int8_t)((qs[j] >> 4) - sub);
+        }
+        u.scale[0] = half_to_float(b);
+        if (T == Q4_1) u.off[0] = half_to_float(b + 2);
+        return u.q;
+    }
+    if (T == Q4_K || T == Q5_K) {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t* sc = b + 4;
+        const uint8_t* qh = b + 16;  // Q5_K: the fifth bits
+        const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[c * 32 + l] & 0xF, hi = qs[c * 32 + l] >> 4;
+                if (T == Q5_K) {
+                    lo += ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi += ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                u.q[c * 64 + l] = (int8_t)lo;
+                u.q[c * 64 + 32 + l] = (int8_t)hi;
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            int s, m;
+            scale_min_k4(j, sc, s, m);
+            u.scale[j] = d * (float)s;
+            u.off[j] = -(dmin * (float)m);
+        }
+        return u.q;
+    }
+    // Q6_K: ql[128], qh[64], int8 scales[16] (one per 16), f16 d
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = (const int8_t*)(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int n = 0; n < 2; n++) {
+        const uint8_t* l0 = ql + n * 64;
+        const uint8_t* h0 = qh + n * 32;
+        int8_t* q = u.q + n * 128;
+        for (int l = 0; l < 32; l++) {
+            q[l] = (int8_t)(((l0[l] & 0xF) | (((h0[l] >> 0) & 3) << 4)) - 32);
+            q[l + 32] = (int8_t)(((l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4)) - 32);
+            q[l + 64] = (int8_t)(((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32);
+            q[l + 96] = (int8_t)(((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+    for (int j = 0; j < 16; j++) u.scale[j] = d * (float)sc[j];
+    return u.q;
+}
+
+template <int T> constexpr int q_sub() { return T == Q6_K ? 16 : 32; }
+template <int T> constexpr int q_elems() { return T == Q4_K || T == Q5_K || T == Q6_K ? 256 : 32; }
+template <int T> constexpr bool q_has_off() { return T == Q4_1 || T == Q4_K || T == Q5_K; }
+
+typedef int8_t c8 __attribute__((vector_size(8), aligned(1)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+static inline v8 q8_to_float(const int8_t* q) { return __builtin_convertvector(__builtin_convertvector(*(const c8*)q, i8), v8); }
+static inline v8 load8(const float* p) {
+    v8 r;
+    memcpy(&r, p, 32);
+    return r;
+}
+
+// y[m] = w_row . x[m] for MB rows of x; xs [MB, K / 32] (stride ldxs): x's sums per 32 (types with offsets)
+template <int T, int MB>
+static inline void qdot_rows(const uint8_t* row, long K, const float* x, long ldx, const float* xs, long ldxs,
+                             float* y, long ldy, float bias) {
+    constexpr int E = q_elems<T>(), S = q_sub<T>();
+    constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q8_0 ? 34 : T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+    v8 acc[MB];
+    float off[MB];
+    for (int m = 0; m < MB; m++) acc[m] = splat8(0.0f), off[m] = 0.0f;
+    Unpacked u;
+    const long nb = K / E;
+    for (long bi = 0; bi < nb; bi++) {
+        const int8_t* q = unpack<T>(row + bi * BB, u);
+        const long k0 = bi * E;
+#pragma GCC unroll 16
+        for (int j = 0; j < E / S; j++) {
+            v8 f[S / 8];
+            for (int g = 0; g < S / 8; g++) f[g] = q8_to_float(q + j * S + g * 8);
+            const v8 sc = splat8(u.scale[j]);
+            for (int m = 0; m < MB; m++) {
+                const float* xr = x + m * ldx + k0 + j * S;
+                v8 s = f[0] * load8(xr);
+                for (int g = 1; g < S / 8; g++) s = fma8(f[g], load8(xr + g * 8), s);
+                acc[m] = fma8(sc, s, acc[m]);
+            }
+        }
+        if (q_has_off<T>())
+            for (int j = 0; j < E / 32; j++)
+                for (int m = 0; m < MB; m++) off[m] = std::fma(u.off[j], xs[m * ldxs + k0 / 32 + j], off[m]);
+    }
+    for (int m = 0; m < MB; m++) {
+        v4 h = __builtin_shufflevector(acc[m], acc[m], 0, 1, 2, 3) + __builtin_shufflevector(acc[m], acc[m], 4, 5, 6, 7);
+        y[m * ldy] = ((h[0] + h[2]) + (h[1] + h[3])) + off[m] + bias;
+    }
+}
+
+template <int T>
+static void qlinear_few_t(const uint8_t* w, long n0, long n1, long K, const float* x, long M, long ldx,
+                          const float* xs, long ldxs, const float* b, float* y, long ldy) {
+    const long rb = q_row_bytes(T, K);
+    for (long n = n0; n < n1; n++) {
+        const uint8_t* wr = w + n * rb;
+        const float bias = b ? b[n] : 0.0f;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) qdot_rows<T, 4>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias);
+        switch (M - m) {
+            case 1: qdot_rows<T, 1>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+            case 2: qdot_rows<T, 2>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+            case 3: qdot_rows<T, 3>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+        }
+    }
+}
+
+// rows n0 .. n1 - 1 of one segment (w: its first row; b, y: already offset to the segment's first column)
+static void qlinear_few(long type, const uint8_t* w, long n0, long n1, long K, const float* x, long M, long ldx,
+                        const float* xs, long ldxs, const float* b, float* y, long ldy) {
+    switch (type) {
+        case Q4_0: qlinear_few_t<Q4_0>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+        case Q4_1: qlinear_few_t<Q4_1>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+        case Q8_0: qlinear_few_t<Q8_0>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+        case Q4_K: qlinear_few_t<Q4_K>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+        case Q5_K: qlinear_few_t<Q5_K>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+        case Q6_K: qlinear_few_t<Q6_K>(w, n0, n1, K, x, M, ldx, xs, ldxs, b, y, ldy); break;
+    }
+}
+
+// one row of a segment, dequantised: out[k] = scale q + offset (as the gguf package computes it)
+template <int T>
+static void dequant_row_t(const uint8_t* row, long K, float* out) {
+    constexpr int E = q_elems<T>(), S = q_sub<T>();
+    const long rb = q_row_bytes(T, K);
+    (void)rb;
+    Unpacked u;
+    for (long bi = 0; bi < K / E; bi++) {
+        const int8_t* q = unpack<T>(row + bi * q_block_bytes(T), u);
+        float* o = out + bi * E;
+        for (int i = 0; i < E; i++) {
+            const float w = u.scale[i / S] * (float)q[i];
+            o[i] = q_has_off<T>() ? w + u.off[i / 32] : w;
+        }
+    }
+}
+
+static void dequant_row(long type, const uint8_t* row, long K, float* out) {
+    switch (type) {
+        case Q4_0: dequant_row_t<Q4_0>(row, K, out); break;
+        case Q4_1: dequant_row_t<Q4_1>(row, K, out); break;
+        case Q8_0: dequant_row_t<Q8_0>(row, K, out); break;
+        case Q4_K: dequant_row_t<Q4_K>(row, K, out); break;
+        case Q5_K: dequant_row_t<Q5_K>(row, K, out); break;
+        case Q6_K: dequant_row_t<Q6_K>(row, K, out); break;
+    }
+}
+
+// row n of the whole weight (its segment found) -> out [K]
+static void qmat_row(const QMat& w, long n, float* out) {
+    for (long s = 0; s < w.nseg; n -= w.rows[s], s++)
+        if (n < w.rows[s]) return dequant_row(w.type[s], w.data[s] + n * q_row_bytes(w.type[s], w.K), w.K, out);
+}
+
+static long qmat_rows(const QMat& w) {
+    long n = 0;
+    for (long s = 0; s < w.nseg; s++) n += w.rows[s];
+    return n;
+}
+
+static void qlinear(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy, int nt,
+                    long path_m) {
+    const long N = qmat_rows(w), K = w.K;
+    const int threads = N * K >= 65536 ? nt : 1;
+    if (path_m <= 4) {
+        static thread_local std::vector<float> xs_store;
+        const long ldxs = K / 32;
+        float* xs = room(xs_store, M * ldxs + 1);
+        for (long m = 0; m < M; m++)  // x's sums per 32, for the offsets
+            for (long j = 0; j < ldxs; j++) {
+                const float* xr = x + m * ldx + j * 32;
+                v8 s = load8(xr) + load8(xr + 8) + load8(xr + 16) + load8(xr + 24);
+                v4 h = __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+                xs[m * ldxs + j] = (h[0] + h[2]) + (h[1] + h[3]);
+            }
+        paired_ranges(N, 16, threads, [&](long n0, long n1) {
+            long first = 0;
+            for (long s = 0; s < w.nseg; first += w.rows[s], s++) {
+                const long a = std::max(n0, first), e = std::min(n1, first + w.rows[s]);
+                if (a < e)
+                    qlinear_few(w.type[s], w.data[s], a - first, e - first, K, x, M, ldx, xs, ldxs,
+                                b ? b + first : nullptr, y + first, ldy);
+            }
+        });
+        return;
+    }
+    const float* xtp = pack(x, M, ldx, K, nt);
+    const long lanes = lanes_for(M), P = (M + lanes - 1) / lanes, G = 48;
+    parallel_for((N + G - 1) / G, 1, threads, [&](long g) {
+        static thread_local std::vector<float> panel;
+        const long n0 = g * G, n1 = std::min(N, n0 + G);
+        float* wf = (float*)(((uintptr_t)room(panel, G * K + 16) + 63) & ~(uintptr_t)63);
+        for (long n = n0; n < n1; n++) qmat_row(w, n, wf + (n - n0) * K);
+        const float* wbase = wf - n0 * K;  // panel_range indexes w by the absolute row
+        if (lanes == 16)
+            panel_range<2>(xtp, M, 0, P, wbase, n0, n1, K, b, y, ldy, nullptr, N);
+        else
+            panel_range<1>(xtp, M, 0, P, wbase, n0, n1, K, b, y, ldy, nullptr, N);
+    });
+}
+
+extern "C" void zoo_qlinear(const float* x, long M, long ldx, const QMat* w, const float* b, float* y, long ldy,
+                            int nt) {
+    qlinear(x, M, ldx, *w, b, y, ldy, nt, M);
+}
+
+// out [T, K] = rows ids of w, dequantised (an embedding lookup); ids are checked by the caller
+extern "C" void zoo_qembed(const int64_t* ids, long T, const QMat* w, float* out, int nt) {
+    parallel_for(T, 8, T >= 64 ? nt : 1, [&](long t) { qmat_row(*w, ids[t], out + t * w->K); });
+}
+
+// either weight: rows of W (float32, bfloat16), or (q non-null) blocks
+template <typename W>
+static void any_linear(const float* x, long M, long ldx, const W* w, const QMat* q, long N, long K,
+                       const float* b, float* y, long ldy, int nt, long path_m) {
+    if (q) qlinear(x, M, ldx, *q, b, y, ldy, nt, path_m);
+    else linear(x, M, ldx, w, N, K, b, y, ldy, nt, path_m);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // RMS norm over rows of D: out = w * (x * r) (Llama), or (x * r) * (1 + w) (Gemma), r = 1 / sqrt(mean(x^2) + eps)
 
 static inline void norm_row(const float* xr, long D, const float* w, float eps, int gemma, float* o) {
@@ -1150,6 +1460,7 @@ struct LayerWeightsT {
     const float *cos, *sin;  // this layer's rotary table [table_len, F] (Gemma3's two bases), or nullptr: the step's
     C* cache;     // [NB, BS, 2, KV, D]
     long window;  // sliding window, 0 = none
+    const QMat *qkv_q, *o_q, *gate_up_q, *down_q;  // block-quantised matrices (then the W pointer is unused)
 };
 typedef LayerWeightsT<float, float> LayerWeights;
 
@@ -1160,10 +1471,10 @@ typedef LayerWeightsT<float, float> LayerWeights;
 template <typename W, typename C>
 static void gated_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>& w, long I, int act, float* gu,
                       float* a, float* h, int nt, long path_m) {
-    if (path_m <= 4) {
-        linear(x, R, Hd, w.gate_up, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
+    if (path_m <= 4 || w.gate_up_q || w.down_q) {  // (quantised: the rows of y, as the module path)
+        any_linear(x, R, Hd, w.gate_up, w.gate_up_q, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
         act_mul(act, gu, R, I, 2 * I, a, nt);
-        linear(a, R, I, w.down, Hd, I, w.down_bias, h, Hd, nt, path_m);
+        any_linear(a, R, I, w.down, w.down_q, Hd, I, w.down_bias, h, Hd, nt, path_m);
         return;
     }
     const long lanes = lanes_for(R), P = (R + lanes - 1) / lanes;
@@ -1189,7 +1500,8 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
                          long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
                          long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
                          const float* final_norm, const int64_t* rows, long N, const W* head,
-                         float* logits, int gemma, float embed_scale, int act, int nt) {
+                         float* logits, int gemma, float embed_scale, int act, int nt, const QMat* embed_q,
+                         const QMat* head_q) {
     for (long t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
@@ -1217,7 +1529,8 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     float* keep_att = last + N * Hd;  // [N, H D] the sampled rows' attention output (last layer)
     float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
     for (long t = 0; t < T; t++) {
-        widen(embed + ids[t] * Hd, Hd, hidden + t * Hd);
+        if (embed_q) qmat_row(*embed_q, ids[t], hidden + t * Hd);
+        else widen(embed + ids[t] * Hd, Hd, hidden + t * Hd);
         if (embed_scale != 0.0f)  // Gemma: rows times sqrt(Hd)
             for (long d = 0; d < Hd; d++) hidden[t * Hd + d] = hidden[t * Hd + d] * embed_scale;
     }
@@ -1225,7 +1538,7 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     for (long l = 0; l < nl; l++) {
         const LayerWeightsT<W, C>& w = layers[l];
         zoo_rms_norm(hidden, T, Hd, Hd, w.ln1, eps, gemma, x, nt);
-        linear(x, T, Hd, w.qkv, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt, T);
+        any_linear(x, T, Hd, w.qkv, w.qkv_q, nqkv, Hd, w.qkv_bias, qkv, nqkv, nt, T);
         const float *q = qkv, *k = qkv + H * D;
         long q_st = nqkv, k_st = nqkv;
         if (w.q_norm) {  // q and k normed head by head, then rotated
@@ -1249,7 +1562,7 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
             }
             a_in = keep_att, res = keep_hid, R = N, pruned = true;
         }
-        linear(a_in, R, H * D, w.o, Hd, H * D, w.o_bias, h, Hd, nt, T);
+        any_linear(a_in, R, H * D, w.o, w.o_q, Hd, H * D, w.o_bias, h, Hd, nt, T);
         add_normed(res, h, x, R, Hd, w.post_attn, eps, gemma, nt);
         zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, gemma, x, nt);
         gated_mlp(x, R, Hd, w, I, act, gu, a, h, nt, T);
@@ -1258,7 +1571,7 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     for (long r = 0; r < N; r++)
         memcpy(x + r * Hd, pruned ? keep_hid + r * Hd : hidden + rows[r] * Hd, Hd * sizeof(float));
     zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, gemma, last, nt);
-    linear(last, N, Hd, head, vocab, Hd, nullptr, logits, vocab, nt, N);
+    any_linear(last, N, Hd, head, head_q, vocab, Hd, nullptr, logits, vocab, nt, N);
     return 0;
 }
 
@@ -1268,10 +1581,11 @@ extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed,
                                  long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
                                  long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
                                  const float* final_norm, const int64_t* rows, long N, const float* head,
-                                 float* logits, int gemma, float embed_scale, int act, int nt) {
+                                 float* logits, int gemma, float embed_scale, int act, int nt, const QMat* embed_q,
+                                 const QMat* head_q) {
     return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
                          nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
-                         embed_scale, act, nt);
+                         embed_scale, act, nt, embed_q, head_q);
 }
 
 // a bfloat16 model: bfloat16 matrices, embedding, head and KV cache; float32 activations and arithmetic
@@ -1285,5 +1599,5 @@ extern "C" int zoo_llama_forward_bf16(const int64_t* ids, long T, const bf16* em
                                       float embed_scale, int act, int nt) {
     return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
                          nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
-                         embed_scale, act, nt);
+                         embed_scale, act, nt, nullptr, nullptr);
 }

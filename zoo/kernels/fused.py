@@ -16,7 +16,8 @@ embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps th
 gated MLPs, no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
 caches, or bfloat16 ones (`zoo_llama_forward_bf16`: the matrices, the embedding, the head and the KV cache read
 as bfloat16 and widened, float32 activations and arithmetic; the norm weights and biases, a few KB, converted to
-float32 once here and converted again when a step finds them modified).
+float32 once here and converted again when a step finds them modified), or block-quantised matrices with float32
+caches (a GGUF kept quantised: each linear, the embedding and the head on the block kernels).
 A step qualifies when no forward hook is registered (parity taps see every module).
 Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
@@ -55,7 +56,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "q_norm",
         "k_norm", "post_attn", "post_ff", "cos", "sin", "cache")] + [
-        ("window", ctypes.c_long)]
+        ("window", ctypes.c_long)] + [(name, ctypes.c_void_p) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")]
 
 
 def _own_forwards(obj, names) -> bool:
@@ -68,6 +69,17 @@ def _own_forwards(obj, names) -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _float_or_blocks(w: torch.Tensor, held: list) -> tuple[int | None, int | None]:
+    """(float pointer, QMat pointer) of a weight: float rows, or block-quantised bytes (`w.quant`)."""
+    if w.dtype is not torch.uint8:
+        return w.data_ptr(), None
+    q = kernels.qmat(w)
+    if q is None:
+        raise TypeError(f"a quantized weight ({w.quant}) of a type or layout without a fused kernel")
+    held.append(q)
+    return None, ctypes.addressof(q)
 
 
 class FusedDecoder:
@@ -110,8 +122,11 @@ class FusedDecoder:
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
         layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
-        dtype = embed.weight.dtype  # float32, or bfloat16: matrices and caches of that dtype, the rest float32
+        # float32, or bfloat16: matrices and caches of that dtype, the rest float32; block-quantised (uint8 bytes):
+        # float32 caches and the rest
+        dtype = torch.float32 if embed.weight.dtype is torch.uint8 else embed.weight.dtype
         converted = []
+        held = []  # the QMats of quantised weights (cpu.cpp reads them through pointers)
 
         def small(t):  # a norm weight or a bias, as the float32 the driver reads
             if t is None or t.dtype is torch.float32 or dtype is not torch.bfloat16:
@@ -165,10 +180,12 @@ class FusedDecoder:
             if cache.dtype is not dtype or not cache.is_contiguous() or not cache.is_cpu:
                 return f"{attn.prefix}: the KV cache is not {dtype} (the weights' dtype), contiguous, on the CPU"
             w[0], w[3], *b = small(w[0]), small(w[3]), *(small(x) for x in b)
-            layers.append(_Layer(_ptr(w[0]), _ptr(w[1]), _ptr(b[1]), _ptr(w[2]), _ptr(b[2]), _ptr(w[3]), _ptr(w[4]),
-                                 _ptr(b[4]), _ptr(w[5]), _ptr(b[5]),
+            (qkv, qkv_q), (o, o_q), (gu, gu_q), (down, down_q) = (_float_or_blocks(x, held) for x in
+                                                                  (w[1], w[2], w[4], w[5]))
+            layers.append(_Layer(_ptr(w[0]), qkv, _ptr(b[1]), o, _ptr(b[2]), _ptr(w[3]), gu,
+                                 _ptr(b[4]), down, _ptr(b[5]),
                                  *(_ptr(small(n.weight)) if n is not None else None for n in (*qk, post_attn, post_ff)),
-                                 None, None, cache.data_ptr(), core.sliding_window or 0))
+                                 None, None, cache.data_ptr(), core.sliding_window or 0, qkv_q, o_q, gu_q, down_q))
         kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
         if kinds not in ({RMSNorm}, {GemmaRMSNorm}):
             return f"norms of kinds {sorted(k.__name__ for k in kinds)} (needs RMSNorm or GemmaRMSNorm throughout)"
@@ -176,9 +193,13 @@ class FusedDecoder:
             return "layers differ in norm eps, heads, head dim, scale, MLP size or activation"
         if kv_caches is None:
             return "qualifies"
+        blocks = dtype is torch.float32 and any(p.dtype is torch.uint8 for p in params)
+        if blocks and any(p.dtype is torch.uint8 and not hasattr(p, "quant") for p in params):
+            return "uint8 weights that are not a GGUF's blocks"
         if dtype not in (torch.float32, torch.bfloat16) or any(
-                p.dtype is not dtype or not p.is_cpu or not p.is_contiguous() for p in params):
-            return "weights are not all float32 or all bfloat16, contiguous, on the CPU"
+                (p.dtype is not dtype and not (blocks and p.dtype is torch.uint8)) or not p.is_cpu
+                or not p.is_contiguous() for p in params):
+            return "weights are not all float32 (or block-quantised) or all bfloat16, contiguous, on the CPU"
         distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
         if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
             return "layers rotate different numbers of dims"
@@ -187,7 +208,8 @@ class FusedDecoder:
                     kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,
                     vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=small(final.weight),
                     gemma=int(kinds == {GemmaRMSNorm}), embed_scale=float(embed.scale or 0.0), act=_ACTS[act],
-                    bf16=dtype is torch.bfloat16)
+                    bf16=dtype is torch.bfloat16, embed_q=_float_or_blocks(embed.weight, held)[1],
+                    head_q=_float_or_blocks(head.weight, held)[1], held=held)
         return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta, converted)
 
     def usable(self, input_ids: torch.Tensor, batch) -> bool:
@@ -235,7 +257,8 @@ class FusedDecoder:
             pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs,
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
             seq_lens.data_ptr(), seq_lens.shape[0], m["final"].data_ptr(), rows.data_ptr(), rows.shape[0],
-            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], torch.get_num_threads())
+            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], torch.get_num_threads(),
+            *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
                              f"tokens and the KV cache")

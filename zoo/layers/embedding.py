@@ -6,6 +6,9 @@ Shape legend:
 A tied head holds the embedding's Parameter itself (`lm_head.weight is embed_tokens.weight`), so
 `named_parameters(remove_duplicate=False)` lists both names and the loader's Tie rule decides from the
 checkpoint whether they stay one tensor.
+
+Both take block-quantised tables (a GGUF kept quantised, `weight.quant`; see zoo/layers/linear.py): rows
+are gathered and dequantised, the head runs the block GEMV.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
+from zoo.layers.linear import linear
 
 
 class VocabEmbedding(nn.Module):
@@ -23,12 +27,16 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size, self.hidden_size, self.scale = vocab_size, hidden_size, scale
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
+        self.weight.quantizable = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.weight)  # [T] -> [T, H]
+        if self.weight.dtype is torch.uint8:  # block-quantised rows
+            x = kernels.qembed(input_ids, self.weight)  # [T] -> [T, H]
+        else:
+            x = F.embedding(input_ids, self.weight)  # [T] -> [T, H]
         if self.scale is not None:
             # as transformers: a float32 normaliser cast to the weight's dtype (sqrt(3072) is 55.5 in bf16, not 55.43)
-            x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(self.weight.dtype)
+            x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
         return x
 
     def extra_repr(self) -> str:
@@ -45,10 +53,13 @@ class LMHead(nn.Module):
         self.vocab_size, self.hidden_size, self.softcap = vocab_size, hidden_size, softcap
         self.scale, self.divisor = scale, divisor
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
+        self.weight.quantizable = True
         self.bias = nn.Parameter(torch.empty(vocab_size)) if bias else None  # [V] (Phi's head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if kernels.fast(hidden, self.weight):
+        if self.weight.dtype is torch.uint8:  # block-quantised
+            logits = linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
+        elif kernels.fast(hidden, self.weight):
             logits = kernels.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
         else:
             logits = F.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]

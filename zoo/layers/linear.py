@@ -10,6 +10,11 @@ and `gate_proj` / `up_proj` into `gate_up_proj`.
 
 Fast path: float32 on the CPU without autograd runs `zoo.kernels.linear` (a streaming GEMV for a few rows,
 a register-tiled GEMM for more, over the checkpoint layout); ZOO_FAST=0 keeps F.linear.
+
+Quantised weights: a weight loaded from a GGUF kept quantised (loader/quant.py) is uint8 bytes with its
+layout in `weight.quant` (the logical shape is the layer's [O, I]); `linear` runs it on the block kernels
+(`zoo.kernels.qlinear`), or dequantises it and calls F.linear when the kernels are off. Weights marked
+`quantizable` are the ones the loader may fill that way.
 """
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ from zoo import kernels
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), on the native GEMV / GEMM when it applies (float32 CPU, no autograd)."""
+    if weight.dtype is torch.uint8:  # block-quantised (weight.quant)
+        if kernels.fast(x):
+            return kernels.qlinear(x, weight, bias)  # [T, I] -> [T, O]
+        return F.linear(x, kernels.dequantize(weight).to(x.dtype), bias)  # [T, I] -> [T, O]
     if kernels.fast(x, weight):
         return kernels.linear(x, weight, bias)  # [T, I] -> [T, O]
     return F.linear(x, weight, bias)  # [T, I] -> [T, O]
@@ -34,6 +43,7 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))  # [O, I]
+        self.weight.quantizable = True  # (the loader may keep a GGUF's blocks here)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None  # [O]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

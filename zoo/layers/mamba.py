@@ -191,6 +191,7 @@ class MambaMixer(RecurrentMixer):
         self.conv1d = CausalConv1d(intermediate_size, conv_kernel, bias=use_conv_bias)
         self.x_proj = Linear(intermediate_size, dt_rank + 2 * state_size)  # dt | B | C
         self.dt_proj = Linear(dt_rank, intermediate_size, bias=True)
+        self.dt_proj.weight.quantizable = False  # read as a float matrix by forward
         self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size))  # [I, N]
         self.D = nn.Parameter(torch.empty(intermediate_size))  # [I]
         self.out_proj = Linear(intermediate_size, hidden_size, bias=use_bias)

@@ -77,6 +77,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=lora_norm_eps)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.kv_b_proj.weight.quantizable = False  # read as per-head matrices by the absorbed decode
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
         self.mode = "auto"  # "expand" / "absorbed" force one path for every request
         self.path_counts: Counter = Counter()  # requests served by each path, for tests and stats

@@ -60,14 +60,20 @@ class LLM:
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
                  tensor_parallel_size: int = 1, tokenizer: str | None = None, revision: str | None = None,
-                 check: Callable[["LLM"], None] | None = None, gpu_memory_utilization: float = 0.9):
+                 check: Callable[["LLM"], None] | None = None, gpu_memory_utilization: float = 0.9,
+                 quantization: str | None = None):
         """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
         the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
         the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
-        `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop."""
+        `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop.
+        `quantization="gguf"` (vLLM's name for it): a GGUF file's block-quantised weights stay quantised and run on
+        the block kernels (the CPU, float32 activations); None dequantises them to `dtype`; "auto" (zoo run's
+        default): "gguf" for a GGUF file run in float32 on the CPU by one process, else None."""
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
+        if quantization not in (None, "gguf", "auto"):
+            raise ValueError(f"quantization={quantization!r}: expected None, 'gguf' or 'auto'")
         device = check_device(device)
         if tensor_parallel_size != 1:
             from zoo.runtime.distributed import launched, run_worker
@@ -78,6 +84,15 @@ class LLM:
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
+        if quantization == "auto":
+            quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and device.type == "cpu"
+                                      and _dtype(dtype) is torch.float32) else None
+        if quantization == "gguf" and not self.files.is_gguf:
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks; {self.files.name} is not a GGUF file")
+        if quantization == "gguf" and (tensor_parallel_size != 1 or _dtype(dtype) is not torch.float32
+                                       or device.type != "cpu"):
+            raise ValueError("quantization='gguf' runs on the CPU with dtype float32 and tensor_parallel_size 1")
+        self.quantization = quantization
         say(f"reading config and tokenizer of {self.files.name}")
         config = load_config(self.files, light=True)  # (a GGUF's cached config: no transformers config import)
         self.tokenizer = load_tokenizer(resolve_tokenizer(tokenizer) if tokenizer is not None else self.files)
@@ -101,7 +116,7 @@ class LLM:
                 group.load_report
         else:
             self.model, self.config, self.spec, self.load_report = build_model(
-                self.files.path, dtype=_dtype(dtype), device=device, config=config)
+                self.files.path, dtype=_dtype(dtype), device=device, config=config, quantized=quantization == "gguf")
         self.engine = LLMEngine(
             self.model, self.config, self.tokenizer, model_id=self.files.model_id,
             generation_config=load_generation_config(self.files), num_blocks=num_blocks,
