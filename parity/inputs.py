@@ -95,9 +95,10 @@ def length_features(config, zoo_model=None) -> list[tuple[str, int]]:
         except ValueError:
             continue
         entry = ROPE_TYPES.get(p.get("rope_type"))
-        if entry is None or entry.grows_past is None or max_pos is None:
+        grows = (entry.grows_past or entry.long_past) if entry is not None else None
+        if grows is None or max_pos is None:
             continue
-        past = int(entry.grows_past(p, max_pos))
+        past = int(grows(p, max_pos))
         out.append((f"rope {p['rope_type']} past {past} positions" + (f" ({layer_type})" if layer_type else ""),
                     past + 1))
     return out

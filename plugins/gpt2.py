@@ -2,7 +2,9 @@
 MLP, a tied head, and Conv1D weights stored transposed ([in, out]), rearranged by a Transform rule as they load.
 
 Shape legend: as plugins/llama.py (T tokens, H hidden).
-Checkpoint names (transformer.h.{i}.attn.c_attn, transformer.wpe, ...) are renamed onto Llama's.
+Checkpoint names (transformer.h.{i}.attn.c_attn, transformer.wpe, ...) are renamed onto Llama's; the hub's
+GPT-2 checkpoints store them without `transformer.` (h.{i}..., wte), which transformers also loads: either
+layout maps, and a checkpoint holding both writes each parameter twice (a duplicate-write LoadError).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from zoo.runtime.batch import ForwardBatch
 
 GPT2_RULES = Rules(
     renames=tuple(Rename(a, b) for a, b in (
+        ("^wte.", "model.embed_tokens."), ("^wpe.", "model.embed_positions."), ("^h.", "model.layers."),
+        ("^ln_f.", "model.norm."),  # the hub's layout, without the `transformer.` prefix
         ("^transformer.wte.", "model.embed_tokens."), ("^transformer.wpe.", "model.embed_positions."),
         ("^transformer.h.", "model.layers."), ("^transformer.ln_f.", "model.norm."),
         (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),

@@ -93,17 +93,43 @@ def test_tiny_from_the_real_config(arch, tmp_path):
     assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
 
 
-def test_longrope_past_the_trained_length(tmp_path):
-    """Phi-3's long factors rotate every token of a request longer than original_max_position_embeddings (16
-    here): prompts past it from the start generate transformers' greedy tokens. (A request that crosses it while
-    decoding keeps its cached short-factor keys, as in vLLM; transformers' generate recomputes the cache there.)"""
+@pytest.mark.parametrize("path", ["fused", "modules", "torch"])
+def test_longrope_switch_per_request(path, tmp_path):
+    """Phi-3's two factor sets (original_max_position_embeddings 16 here), per request, as transformers'
+    generate: a prompt past the switch rotates every token with the long factors however it is chunked; a
+    prompt short of it starts short, and when its decode passes 16 tokens the request is recomputed whole
+    with the long ones (transformers' generate drops its cache there). One batch of both kinds, prefill
+    chunked at 8 tokens a step, on the fused native step, the per-module native kernels and plain torch."""
+    from zoo import kernels
+
     save_tiny("Phi3ForCausalLM", tmp_path, seed=1, randomize=True,
               **{**WIDE, **TINY_CONFIGS["Phi3ForCausalLM"], "original_max_position_embeddings": 16})
-    zoo_model, *_ = build_model(tmp_path)
-    rope = zoo_model.model.layers[0].self_attn.rotary_emb
-    assert rope.grows_past == 16 and not rope.native
-    prompts = [list(range(3, 23)), [9] + PROMPTS[0] + [1, 2]]  # 20 and 17 tokens
-    greedy_equal("Phi3ForCausalLM", zoo_model, load_reference(tmp_path), prompts)
+    previous = kernels.set_enabled(path != "torch")
+    try:
+        with torch.no_grad():
+            zoo_model, *_ = build_model(tmp_path)
+            rope = zoo_model.model.layers[0].self_attn.rotary_emb
+            assert rope.long_past == 16 and rope.grows_past is None and rope.native
+            long_prompts = [list(range(3, 23)), [9] + PROMPTS[0] + [1, 2]]  # 20 and 17 tokens
+            crossing = [PROMPTS[0][:10], [4] + PROMPTS[0] + [6]]  # 10 and 16 tokens: decode crosses 16
+            engine = LLMEngine(zoo_model, zoo_model.config, block_size=4, max_num_batched_tokens=8)
+            if path == "modules":
+                engine.runner.fused = None
+            assert (engine.runner.fused is not None) == (path == "fused"), engine.runner.step_path
+            ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+                   for p in long_prompts + crossing]
+            done, steps = {}, 0
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+                steps += 1
+            assert steps > STEPS + 2  # the prompts took several chunked steps
+            ref = load_reference(tmp_path)
+            ref.generation_config.eos_token_id = None
+            for rid, prompt in zip(ids, long_prompts + crossing):
+                want = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+                assert done[rid].token_ids == want[0, len(prompt):].tolist(), f"prompt {prompt}"
+    finally:
+        kernels.set_enabled(previous)
 
 
 def test_transformed_keys_are_checked_in_the_checkpoint_layout(tmp_path):
@@ -176,3 +202,32 @@ def test_configs_without_architectures_resolve_through_model_type():
                              ("gpt_neox", "GPTNeoXForCausalLM"), ("gpt_oss", "GptOssForCausalLM"),
                              ("granitemoe", "GraniteMoeForCausalLM"), ("smollm3", "SmolLM3ForCausalLM")]:
         assert reg.resolve({"model_type": model_type}).architectures == (arch,), model_type
+
+
+def test_gpt2_hub_keys_without_the_transformer_prefix(tmp_path):
+    """The hub's GPT-2 checkpoints store h.{i}..., wte, wpe, ln_f without `transformer.` (transformers loads
+    both): that layout passes parity and greedy equality; a checkpoint holding both layouts, or a key of
+    neither, is refused naming the keys."""
+    path = save_arch("GPT2LMHeadModel", tmp_path / "hub")
+    tensors = load_file(path / "model.safetensors")
+    assert any(k.startswith("transformer.h.") for k in tensors)
+    hub = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    save_file(hub, path / "model.safetensors", metadata={"format": "pt"})
+    result = run_parity(path, scenarios=("prefill", "decode"))
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items()}
+    zoo_model, *_ = build_model(path)
+    greedy_equal("GPT2LMHeadModel", zoo_model, load_reference(path), PROMPTS[:2])
+
+    both = {**tensors, **{k: v.clone() for k, v in hub.items()}}
+    save_file(both, path / "model.safetensors", metadata={"format": "pt"})  # both layouts
+    with pytest.raises(LoadError) as err:
+        build_model(path)
+    assert {p.kind for p in err.value.problems} == {"duplicate"}
+    assert "h.0.attn.c_attn.weight" in str(err.value) and "transformer.h.0.attn.c_attn.weight" in str(err.value)
+
+    save_file({("gpt." + k if k.startswith("h.0.") else k): v for k, v in hub.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})  # layer 0 under a prefix of neither layout
+    with pytest.raises(LoadError) as err:
+        build_model(path)
+    assert {p.kind for p in err.value.problems} == {"missing", "unexpected"}
+    assert "gpt.h.0.attn.c_attn.weight" in str(err.value)

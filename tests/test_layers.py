@@ -120,7 +120,7 @@ def test_longrope_inv_freq_matches_transformers(seq_len):
     want, want_scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
     assert torch.equal(ours, want) and scale == pytest.approx(want_scale, rel=1e-12)
     rope = RotaryEmbedding(head_dim=32, rope_parameters=params, max_position_embeddings=256)
-    assert rope.grows_past == 64 and not rope.native
+    assert rope.long_past == 64 and rope.grows_past is None and rope.native
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.25, 0.5])

@@ -201,6 +201,8 @@ class FusedDecoder:
                 or not p.is_contiguous() for p in params):
             return "weights are not all float32 (or block-quantised) or all bfloat16, contiguous, on the CPU"
         distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
+        if len(distinct) > 1 and any(r.long_past is not None for r in distinct):
+            return "a rope with two frequency sets (longrope) beside another rope"
         if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
             return "layers rotate different numbers of dims"
         (heads, kv_heads, head_dim, scale, inter, act), = shape
@@ -239,6 +241,9 @@ class FusedDecoder:
                 layer.cos, layer.sin = tables[i][0].data_ptr(), tables[i][1].data_ptr()
         cos, sin = tables[0]
         table_len = min(c.shape[0] for c, _ in tables)
+        long_rope = m["ropes"][0] if m["ropes"][0].long_past is not None else None
+        if long_rope is not None:  # longrope: the rows of the short/long halves (one rope: checked at the build)
+            positions = long_rope.table_rows(positions, batch, cos.shape[0] // 2)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"fused forward: input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]")

@@ -16,9 +16,19 @@ llama3, longrope built in), `LAYOUTS` ("rotate_half", "interleaved"), partial ro
 `partial_rotary_factor` (only the first R dims of a head rotate, the rest pass through), and
 `get_rope(..., layout=, cls=)` for a RotaryEmbedding subclass.
 
-"dynamic" (NTK) and "longrope" depend on the context length: as in transformers, a sequence longer than
-the type's `grows_past` length uses frequencies recomputed for its own length (here per request, from
+"dynamic" (NTK) depends on the context length: as in transformers, a sequence longer than the type's
+`grows_past` length uses frequencies recomputed for its own length (here per request, from
 `batch.seq_lens_cpu`; transformers uses the longest sequence of its padded batch).
+
+"longrope" (Phi-3) has two fixed sets (`long_past`: short factors up to original_max_position_embeddings,
+long ones past it). transformers picks one per forward by max(position_ids) + 1, and its Phi-3 `generate`
+drops the cache when a sequence first passes the switch, recomputing every key with the long set: a request
+is short or long as a whole. The zoo does the same, per request (vLLM switches the whole batch when any token
+is past it): a request rotates with the long set iff its length (prompt and outputs, `batch.num_tokens_cpu`)
+is past the switch, however its prompt is chunked, and the scheduler recomputes a request whose decode
+crosses it (zoo/runtime/scheduler.py). The table stays a table: rows [0, L) short, rows [L, 2L) long, a long
+request's tokens reading the second half (`table_rows`); the native kernels and the fused step take those
+rows as their positions.
 
 Fast path (float32, CPU, no autograd, rotate-half): `zoo.kernels.rotary` reads the table rows itself and
 rotates in one pass, rounding exactly as `rotate` does (same products, same sums).
@@ -68,9 +78,13 @@ class RopeType:
     `dim` the rotary dim R and `seq_len` None or the context length of one request.
     `grows_past(params, max_position_embeddings) -> int | None`: the context length past which the
     frequencies depend on seq_len (a request longer than that gets its own), None when they never do.
+    `long_past(params, max_position_embeddings) -> int`: for a type with exactly two sets of frequencies
+    (init's seq_len up to that length, and past it), the switch; a request uses the second set for all of its
+    tokens once its length is past it (module docstring).
     """
     init: Callable[[dict, float, int, int, int | None], tuple[torch.Tensor, float]]
     grows_past: Callable[[dict, int], int | None] | None = None
+    long_past: Callable[[dict, int], int] | None = None
 
 
 def _default(params, base, dim, max_position_embeddings, seq_len):
@@ -109,11 +123,14 @@ def _longrope(params, base, dim, max_position_embeddings, seq_len):
 ROPE_TYPES: dict[str, RopeType] = {}
 
 
-def register_rope_type(name: str, init, *, grows_past=None, override: bool = False) -> None:
-    """Add rope type `name` (see RopeType for `init` and `grows_past`); a second claim needs override=True."""
+def register_rope_type(name: str, init, *, grows_past=None, long_past=None, override: bool = False) -> None:
+    """Add rope type `name` (see RopeType for `init`, `grows_past` and `long_past`); a second claim needs
+    override=True."""
     if name in ROPE_TYPES and not override:
         raise ValueError(f"rope type {name!r} is already registered; pass override=True to replace it")
-    ROPE_TYPES[name] = RopeType(init, grows_past)
+    if grows_past is not None and long_past is not None:
+        raise ValueError(f"rope type {name!r}: give grows_past or long_past, not both")
+    ROPE_TYPES[name] = RopeType(init, grows_past, long_past)
 
 
 def supported_rope_type(rope_type: str | None, where: str = "rope_parameters") -> RopeType:
@@ -182,9 +199,10 @@ def _llama3(params: dict, base: float, dim: int, max_position_embeddings: int, s
 for _name, _init, _grows in (
         ("default", _default, None), ("linear", _linear, None),
         ("dynamic", _ntk_dynamic, lambda params, max_position_embeddings: max_position_embeddings),
-        ("yarn", _yarn, None), ("llama3", _llama3, None),
-        ("longrope", _longrope, lambda params, max_position_embeddings: params["original_max_position_embeddings"])):
+        ("yarn", _yarn, None), ("llama3", _llama3, None)):
     register_rope_type(_name, _init, grows_past=_grows)
+register_rope_type("longrope", _longrope,
+                   long_past=lambda params, max_position_embeddings: params["original_max_position_embeddings"])
 
 
 # -- layouts: which dims of a head pair up in a rotation ------------------------------------------------
@@ -237,6 +255,8 @@ class RotaryEmbedding:
         self.max_position_embeddings = max_position_embeddings
         # the context length past which a request's frequencies are its own (None: never)
         self.grows_past = entry.grows_past(self.params, max_position_embeddings) if entry.grows_past else None
+        # the switch between the two frequency sets of a type such as longrope (None: one set)
+        self.long_past = int(entry.long_past(self.params, max_position_embeddings)) if entry.long_past else None
         self._inv_freq: tuple[torch.Tensor, float] | None = None  # ([F] float32 host, scaling), made on first use
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -247,7 +267,8 @@ class RotaryEmbedding:
 
     @property
     def native(self) -> bool:
-        """The fused step can rotate with this: the native layout and one table for any context length."""
+        """The fused step can rotate with this: the native layout and a table for any context length (with
+        `long_past`, its rows chosen by `table_rows`)."""
         return self.native_layout and self.grows_past is None
 
     def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -264,20 +285,47 @@ class RotaryEmbedding:
         return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)  # [T, F], [T, F]
 
     def table(self, device: torch.device, dtype: torch.dtype, num_positions: int):
-        """The cos, sin tables [L, F] of positions 0 .. L - 1, L >= num_positions (grown to a power of two)."""
+        """The cos, sin tables [L, F] of positions 0 .. L - 1, L >= num_positions (grown to a power of two).
+        With `long_past`: [2L, F], rows [0, L) the first (short) set, rows [L, 2L) the long one."""
         key = (device, dtype)
         table = self._tables.get(key)
-        if table is None or table[0].shape[0] < num_positions:
+        length = table[0].shape[0] // (1 if self.long_past is None else 2) if table is not None else 0
+        if length < num_positions:
             length = max(256, 1 << (num_positions - 1).bit_length())
+            positions = torch.arange(length, device=device)
             inv_freq, scaling = self.inv_freq()
-            table = self._cos_sin(torch.arange(length, device=device), inv_freq, scaling, dtype)  # [L, F]
+            table = self._cos_sin(positions, inv_freq, scaling, dtype)  # [L, F]
+            if self.long_past is not None:
+                long_freq, long_scaling = compute_inv_freq(self.params, head_dim=self.head_dim, seq_len=self.long_past + 1,
+                                                           max_position_embeddings=self.max_position_embeddings)
+                long = self._cos_sin(positions, long_freq, long_scaling, dtype)  # [L, F] each
+                table = tuple(torch.cat((t, lt)) for t, lt in zip(table, long))  # [2L, F] each
             self._tables[key] = table
         return table
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
+    def table_rows(self, positions: torch.Tensor, batch, table_len: int) -> torch.Tensor:
+        """The table row of each token [T]: its position, plus L for the tokens of a request whose length is
+        past `long_past` (batch.num_tokens_cpu; without it, each request's tokens so far, as in one
+        transformers forward). Positions themselves without `long_past`."""
+        if self.long_past is None:
+            return positions
+        if batch is None or not batch.seq_lens_cpu:
+            long = (int(positions.max()) + 1 if positions.numel() else 0) > self.long_past  # one device sync
+            return positions + table_len if long else positions
+        prompts = batch.num_tokens_cpu or batch.seq_lens_cpu
+        starts = batch.query_start_loc_cpu
+        counts = [starts[i + 1] - starts[i] for i in range(len(prompts))]
+        offsets = [table_len if n > self.long_past else 0 for n in prompts]
+        if not any(offsets):
+            return positions
+        offset = torch.tensor(offsets, dtype=positions.dtype).repeat_interleave(torch.tensor(counts))  # [T]
+        return positions + offset.to(positions.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int, batch=None):
         """cos, sin [T, F] for positions < num_positions, looked up in the table."""
         cos, sin = self.table(positions.device, dtype, num_positions)
-        return cos[positions], sin[positions]  # [T, F], [T, F]
+        rows = self.table_rows(positions, batch, cos.shape[0] // 2) if self.long_past is not None else positions
+        return cos[rows], sin[rows]  # [T, F], [T, F]
 
     def rotate_pair(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, n, D] rotated by cos, sin [T, F] in this layout."""
@@ -291,9 +339,9 @@ class RotaryEmbedding:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1  # one device sync
         grown = self.grows_past is not None and num_positions > self.grows_past
         if not grown and self.native_layout and kernels.fast(q, k):
-            cos, sin = self.table(positions.device, q.dtype, num_positions)  # [L, F]
-            return kernels.rotary(q, k, positions, cos, sin)
-        cos, sin = self.cos_sin(positions, q.dtype, num_positions)
+            cos, sin = self.table(positions.device, q.dtype, num_positions)  # [L, F] ([2L, F] with long_past)
+            return kernels.rotary(q, k, self.table_rows(positions, batch, cos.shape[0] // 2), cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype, num_positions, batch)
         if grown:
             cos, sin = self._grown(positions, q.dtype, cos, sin, batch, num_positions)
         return self.rotate_pair(q, cos, sin), self.rotate_pair(k, cos, sin)
@@ -311,6 +359,16 @@ class RotaryEmbedding:
                 inv_freq, scaling = self.inv_freq(seq_len)
                 cos[start:end], sin[start:end] = self._cos_sin(positions[start:end], inv_freq, scaling, dtype)
         return cos, sin
+
+
+def long_rope_past(model) -> int | None:
+    """The switch of the model's two-set ropes (longrope; a module's `rotary_emb` with `long_past`), or None.
+    A model whose layers switch at different lengths is refused (the prefix cache keys on one)."""
+    switches = {r.long_past for m in model.modules() if isinstance(r := getattr(m, "rotary_emb", None), RotaryEmbedding)
+                and r.long_past is not None}
+    if len(switches) > 1:
+        raise ValueError(f"rotary embeddings switching frequency sets at different lengths {sorted(switches)}")
+    return switches.pop() if switches else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -84,6 +84,9 @@ class ForwardBatch:
     # Host copies of the small metadata, so layers can loop over requests without device syncs.
     query_start_loc_cpu: list[int] = field(default_factory=list)  # [B+1]
     seq_lens_cpu: list[int] = field(default_factory=list)  # [B]
+    # [B] each request's whole length, prompt and outputs (longrope's switch, zoo/layers/rotary.py); empty:
+    # seq_lens_cpu (a forward over whole sequences)
+    num_tokens_cpu: list[int] = field(default_factory=list)
     # Per-family extras (left empty by families that do not need them).
     state_indices: torch.Tensor | None = None  # [B] SSM: each request's slot in the state pool
     ssm_states: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # prefix -> [S, *shape] each

@@ -43,7 +43,7 @@ STEP_TIMEOUT = 20.0  # seconds a collective waits for the other ranks (a dead ra
 JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after close()
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step: as long as rank 0 idles
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "positions", "slot_mapping", "block_tables", "logits_indices",
-                "block_size", "query_start_loc_cpu", "seq_lens_cpu")
+                "block_size", "query_start_loc_cpu", "seq_lens_cpu", "num_tokens_cpu")
 
 
 class TensorParallelError(RuntimeError):

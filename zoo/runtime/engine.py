@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zoo.layers.rotary import long_rope_past
 from zoo.runtime.detokenizer import IncrementalDetokenizer
 from zoo.runtime.kv_cache import (DEFAULT_KV_MEMORY, KVCacheManager, bytes_per_token, cache_specs, device_kv_budget,
                                   num_blocks_for)
@@ -174,7 +175,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching,
                                  namespace=f"{model_id}|{','.join(dtypes)}",
                                  state_slots=StateSlots(num_state_slots) if self.state_specs else None,
-                                 state_snapshots=StateSnapshots(num_state_snapshots) if num_state_snapshots else None)
+                                 state_snapshots=StateSnapshots(num_state_snapshots) if num_state_snapshots else None,
+                                 long_rope_past=long_rope_past(model))
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.runner = ModelRunner(model, specs, num_blocks, block_size, device=device, state_specs=self.state_specs,

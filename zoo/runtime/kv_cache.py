@@ -88,8 +88,12 @@ class KVCacheManager:
     """Which blocks each request holds; prefix-cache lookups and publication; the pool's accounting."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, namespace: str = "",
-                 state_slots: StateSlots | None = None, state_snapshots: StateSnapshots | None = None):
+                 state_slots: StateSlots | None = None, state_snapshots: StateSnapshots | None = None,
+                 long_rope_past: int | None = None):
         self.block_size = block_size
+        # longrope's switch (zoo/layers/rotary.py): a request longer than it rotates every key with the long
+        # factors, so its blocks hash apart from a shorter request's with the same tokens
+        self.long_rope_past = long_rope_past
         self.state_slots = state_slots  # hybrid SSM models: one recurrent-state slot per running request
         # ... and, with prefix caching, their states at block boundaries (prefill chunks end on boundaries)
         self.state_snapshots = state_snapshots if enable_caching else None
@@ -112,6 +116,8 @@ class KVCacheManager:
     def update_block_hashes(self, req: Request) -> None:
         """Extend req.block_hashes over the complete blocks of its tokens (prompt and outputs)."""
         bs, ns = self.block_size, self.namespace + "|" + (req.cache_salt or "")
+        if self.long_rope_past is not None and req.num_tokens > self.long_rope_past:
+            ns += "|long rope"  # (the scheduler drops a request's hashes when it crosses: recomputed long)
         hashes, tokens = req.block_hashes, req.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
             extra = block_extra_keys(req.mm_items, i * bs, (i + 1) * bs) if req.mm_items else ()  # images in it

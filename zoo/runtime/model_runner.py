@@ -143,6 +143,7 @@ class ModelRunner:
             block_size=bs,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
+            num_tokens_cpu=[s.request.num_tokens for s in out.scheduled],
         )
         if kv.state_snapshots is not None:  # queued boundary snapshots (saves) and prefix-hit restores
             apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)

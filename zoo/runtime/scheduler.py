@@ -10,6 +10,10 @@ When the KV pool runs out, the most recently admitted running request is preempt
 blocks are freed, it goes back to the front of the waiting queue with num_computed_tokens = 0, and its
 outputs so far become part of the prefix it recomputes (prefix-cache hits make that cheap).
 
+A model with a two-set rope (longrope, kv.long_rope_past) rotates a request with the long set once its length
+is past the switch: a request whose decode crosses it is recomputed whole with the long set (blocks freed,
+num_computed_tokens = 0, its block hashes dropped), as transformers' Phi-3 generate drops its cache there.
+
 Hybrid SSM models with prefix caching (kv.clip_to_blocks): a chunk that would cross a block boundary
 stops at the last one it reaches, so the recurrent state at that boundary exists to be snapshotted.
 """
@@ -163,7 +167,19 @@ class Scheduler:
             if status is not None:
                 self.finish_request(req.request_id, status, reason)
                 finished.append(req)
+            elif (past := self.kv.long_rope_past) is not None and req.num_tokens == past + 1 \
+                    and req.num_prompt_tokens <= past:
+                self._recompute_long(req)
         return finished
+
+    def _recompute_long(self, req: Request) -> None:
+        """The request just crossed longrope's switch: its keys (short rotation) are recomputed with the long one."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.block_hashes.clear()  # (hashed short; the recomputed blocks hash long)
+        req.status = RequestStatus.PREEMPTED
+        self.running.remove(req)
+        self.waiting.appendleft(req)
 
     def _check_stop(self, req: Request, token: int):
         p = req.sampling_params
