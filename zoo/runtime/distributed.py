@@ -131,6 +131,7 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
     """A worker's loop: load its slices, then do what rank 0 says until it says stop."""
     from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
 
+    _check_layout(path, size)  # what rank 0 did before its baseline (imports the config, registry and plugins)
     peak = Peak()
     model, _, _, report = _load(path, rank, size, dtype)
     _set_timeout(STEP_TIMEOUT)
