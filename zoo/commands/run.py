@@ -116,7 +116,7 @@ def run(args) -> int:
 
         import torch
 
-        return run_worker(resolve_model(args.model).path, dtype=getattr(torch, args.dtype))
+        return run_worker(resolve_model(args.model).path, dtype=getattr(torch, args.dtype or "float32"))
     if args.tensor_parallel_size is None:
         args.tensor_parallel_size = env[1] if env is not None else 1
 
