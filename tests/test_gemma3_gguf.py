@@ -1,5 +1,6 @@
 """The real Gemma3-270M GGUF (Q4_K_M; tests/real_gguf.py assembles it from its PyPI packages), dequantised
-to float32: its config names no architecture (model_type gemma3_text) and resolves through model_type; its
+to float32 (it holds Q5_0 tensors, which have no quantized kernels: `zoo run` dequantises it and says
+so): its config names no architecture (model_type gemma3_text) and resolves through model_type; its
 tensors carry Gemma3's GGUF names (post_attention_norm, ffn_norm as the MLP's pre-norm, post_ffw_norm,
 attn_q_norm / attn_k_norm) and its (1 + w) norms stored as w + 1. zoo's greedy answer (the fused native
 step, as `zoo run` takes it) equals transformers' generate from the same file, token for token, with the
@@ -24,7 +25,10 @@ def test_greedy_answer_equals_transformers_from_the_same_file():
     from zoo.runtime import model_files as mf
 
     path = gemma3_270m()
-    llm = LLM(str(path))
+    said = []
+    llm = LLM(str(path), quantization="auto", progress=said.append)  # as `zoo run` opens it
+    # (its Q5_0 tensors have no quantized kernels: the file is dequantised, and zoo says so)
+    assert llm.quantization is None and any("Q5_0" in s and "dequantized" in s for s in said), said
     assert type(llm.model).__name__ == "Gemma3ForCausalLM"  # found through model_type
     ids = llm.get_tokenizer()(PROMPT)["input_ids"]
     logits = []

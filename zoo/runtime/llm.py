@@ -68,7 +68,9 @@ class LLM:
         `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop.
         `quantization="gguf"` (vLLM's name for it): a GGUF file's block-quantised weights stay quantised and run on
         the block kernels (the CPU, float32 activations); None dequantises them to `dtype`; "auto" (zoo run's
-        default): "gguf" for a GGUF file run in float32 on the CPU by one process, else None."""
+        default): "gguf" for a GGUF file run in float32 on the CPU by one process whose block types all have
+        kernels, else None (a llama.cpp Q4_K_M file may hold Q5_0 tensors: it is dequantised, and `progress`
+        says so)."""
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
@@ -84,9 +86,17 @@ class LLM:
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
+        source = None  # (auto: the GGUF source opened to see its block types, handed to build_model)
         if quantization == "auto":
             quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and device.type == "cpu"
                                       and _dtype(dtype) is torch.float32) else None
+            if quantization == "gguf":
+                source, kinds = _open_quantized(self.files.path)
+                if kinds:
+                    say(f"{self.files.name} holds {', '.join(kinds)} tensors, which zoo has no quantized kernels "
+                        f"for: dequantized to float32")
+                    source.close()
+                    source, quantization = None, None
         if quantization == "gguf" and not self.files.is_gguf:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks; {self.files.name} is not a GGUF file")
         if quantization == "gguf" and (tensor_parallel_size != 1 or _dtype(dtype) is not torch.float32
@@ -116,7 +126,8 @@ class LLM:
                 group.load_report
         else:
             self.model, self.config, self.spec, self.load_report = build_model(
-                self.files.path, dtype=_dtype(dtype), device=device, config=config, quantized=quantization == "gguf")
+                source or self.files.path, dtype=_dtype(dtype), device=device, config=config,
+                quantized=quantization == "gguf")
         self.engine = LLMEngine(
             self.model, self.config, self.tokenizer, model_id=self.files.model_id,
             generation_config=load_generation_config(self.files), num_blocks=num_blocks,
@@ -272,3 +283,15 @@ def _merged(samples: list[RequestOutput]) -> RequestOutput:
         return samples[0]
     return dataclasses.replace(samples[0], samples=[dataclasses.replace(s.outputs[0], index=i)
                                                     for i, s in enumerate(samples)])
+
+
+def _open_quantized(path):
+    """(the GGUF source opened with its blocks kept, the block types in it without quantized kernels)."""
+    import re
+
+    import loader
+
+    source = loader.open_source(path, strict=False, quantized=True)
+    kinds = {m[1] for p in getattr(source, "problems", ()) if p.kind == "dtype"
+             and (m := re.search(r" is (\w+), which zoo cannot run quantized", p.detail))}
+    return source, sorted(kinds)
