@@ -19,7 +19,7 @@ from tiny import built_case, load_reference, save_tiny
 from zoo import kernels
 from zoo.build import build_model
 from zoo.layers.mlp import GatedMLP
-from zoo.layers.moe import SparseMoeBlock, StackedExperts
+from zoo.layers.moe import SparseMoeBlock, StackedExperts, combine_in_expert_order
 
 H, E, K = 64, 4, 2
 
@@ -135,6 +135,20 @@ def test_dispatch_runs_each_expert_once_on_its_tokens(ops, monkeypatch):
             g, u = (x[t] @ experts.gate_up_proj.weight[e].T).chunk(2)
             want[t] += weights[t, j] * ((torch.nn.functional.silu(g) * u) @ experts.down_proj.weight[e].T)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_combine_in_expert_order_is_index_add_bit_for_bit(k):
+    """The kernels-on combine (no index_add_) adds each token's k rows in the order index_add_ does."""
+    g = torch.Generator().manual_seed(k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(7)])  # [T, k], distinct per token
+    order = torch.argsort(ids.reshape(-1), stable=True)  # [A]
+    weighted = torch.randn(ids.numel(), H, generator=g) * 10 ** torch.randn(ids.numel(), 1, generator=g)  # [A, H]
+    want = torch.zeros(7, H).index_add_(0, order // k, weighted)
+    got = combine_in_expert_order(weighted, order, k)
+    assert torch.equal(got, want)
+    if k > 2:  # the order matters: another order of the same additions differs somewhere
+        assert not torch.equal(got, weighted[torch.argsort(order).view(-1, k).flip(1)].sum(1))
 
 
 @torch.inference_mode()

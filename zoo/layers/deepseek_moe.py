@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.layers.moe import StackedExperts
+from zoo.layers.moe import StackedExperts, serial_ops
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -95,7 +95,8 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, topk_weights, topk_ids = self.gate(x)  # [T, K], [T, K]
+        with serial_ops(x):  # the router's small torch ops on one thread (see moe.serial_ops)
+            _, topk_weights, topk_ids = self.gate(x)  # [T, K], [T, K]
         out = self.experts(x, topk_ids, topk_weights)  # [T, H]
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)  # [T, H]

@@ -25,6 +25,8 @@ signature and returns the weighted sum of the routed experts [T, H].
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,35 @@ from zoo.layers.mlp import FUSED_ACTS, act_and_mul, activation
 def on_device_path(x: torch.Tensor) -> bool:
     """Whether experts take the device path for x (an accelerator, or forced: zoo.kernels.set_device_path)."""
     return kernels.device_path(x)
+
+
+@contextmanager
+def serial_ops(x: torch.Tensor):
+    """Torch's small ops of a MoE block (router, sort by expert, combine) on one thread while the native kernels
+    are on: each is microseconds of work, but an OpenMP region of 2 threads waits for both to be scheduled, and on
+    a loaded machine (bench/generate_moe.py ran at load ~7 on 2 cores) that wait was ~100 ms per op, most of a
+    decode step. The native kernels inside keep their threads (they are called outside this block)."""
+    threads = torch.get_num_threads()
+    if threads == 1 or not kernels.fast(x):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def combine_in_expert_order(weighted: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """zeros [T, H].index_add_(0, order // k, weighted) for weighted [A, H] sorted by expert (token order kept
+    within an expert), with the same additions in the same order: each token's k rows in ascending expert id.
+    On the CPU torch's index_add_ (a scatter_add_) took ~27 ms for a 2 x 1024 decode step on the loaded bench
+    machine; this is k - 1 adds of [T, H]."""
+    rows = torch.argsort(order).view(-1, k).sort(dim=1).values  # [T, k] each token's sorted rows, expert order
+    out = weighted[rows[:, 0]]  # [T, H] (0 + a = a)
+    for j in range(1, k):
+        out = out + weighted[rows[:, j]]
+    return out
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
@@ -121,12 +152,13 @@ class StackedExperts(nn.Module):
         if kernels.device_path(x):
             return self.grouped(x, topk_ids, topk_weights)
         k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)  # [A]
-        order = torch.argsort(flat_ids, stable=True)  # [A] assignments grouped by expert, token order kept
-        token_of = order // k  # [A] the token each sorted assignment belongs to
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # [E], one host sync
-        x_sorted = x[token_of]  # [A, H]
-        y_sorted = torch.empty_like(x_sorted)  # [A, H]
+        with serial_ops(x):
+            flat_ids = topk_ids.reshape(-1)  # [A]
+            order = torch.argsort(flat_ids, stable=True)  # [A] assignments grouped by expert, token order kept
+            token_of = order // k  # [A] the token each sorted assignment belongs to
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # [E], one host sync
+            x_sorted = x[token_of]  # [A, H]
+            y_sorted = torch.empty_like(x_sorted)  # [A, H]
         w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
         start = 0
         for e, n in enumerate(counts):
@@ -135,8 +167,11 @@ class StackedExperts(nn.Module):
             gate_up = linear(x_sorted[start:start + n], w13[e])  # [n, 2I]
             y_sorted[start:start + n] = linear(act_and_mul(gate_up, self.act, self.kind), w2[e])  # [n, H]
             start += n
-        weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
-        return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; on CPU summed in expert-id order, as transformers
+        with serial_ops(x):
+            weighted = (y_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [A, H]
+            if not kernels.fast(x):
+                return torch.zeros_like(x).index_add_(0, token_of, weighted)  # [T, H]; summed in expert-id order
+            return combine_in_expert_order(weighted, order, k)  # [T, H]: the same sums, without index_add_
 
     def grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The device path: the same computation with no host read (the experts' loads stay on the device),
@@ -176,7 +211,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1)  # [H] -> [1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, topk_weights, topk_ids = self.gate(x)  # [T, K], [T, K]
+        with serial_ops(x):
+            _, topk_weights, topk_ids = self.gate(x)  # [T, K], [T, K]
         out = self.experts(x, topk_ids, topk_weights)  # [T, H]
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
