@@ -17,7 +17,7 @@ import torch
 
 _state = threading.local()
 _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "bincount",
-            "masked_select", "__getitem__")
+            "masked_select")  # not __getitem__: patching it on Tensor makes tensors sequences to torch.tensor()
 _FUNCTIONS = ("nonzero", "unique", "bincount", "masked_select")
 
 
@@ -58,9 +58,10 @@ def _install() -> None:
         if _installed:
             return
         for name in _METHODS:
-            original = getattr(torch.Tensor, name)
-            _installed[("Tensor", name)] = original
-            setattr(torch.Tensor, name, _wrap(name, original))
+            # None: inherited from TensorBase. Restoring it by setattr would put it in Tensor's own dict, which
+            # changes the type's slots (a __getitem__ there makes every tensor a Python sequence to torch.tensor)
+            _installed[("Tensor", name)] = vars(torch.Tensor).get(name)
+            setattr(torch.Tensor, name, _wrap(name, getattr(torch.Tensor, name)))
         for name in _FUNCTIONS:
             original = getattr(torch, name)
             _installed[("torch", name)] = original
@@ -72,7 +73,10 @@ def _uninstall() -> None:
         if _users:
             return
         for (where, name), original in _installed.items():
-            setattr(torch.Tensor if where == "Tensor" else torch, name, original)
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor if where == "Tensor" else torch, name, original)
         _installed.clear()
 
 
