@@ -77,6 +77,7 @@ def test_a_host_read_inside_a_step_is_refused(tmp_path, device_path):
     with pytest.raises(host_sync.HostSync, match="Tensor.tolist inside a device-path step"):
         engine.step()
     assert torch.ones(2).tolist() == [1.0, 1.0]  # (the patches are gone after the step)
+    assert torch.tensor([torch.tensor(-6)]).tolist() == [-6]  # (and Tensor's type is as it was: 0-d is no sequence)
 
 
 def test_one_copy_splits_the_fields():

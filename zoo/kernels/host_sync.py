@@ -3,8 +3,9 @@ synchronisation on an accelerator) raises HostSync naming the call, so a forced 
 (zoo.kernels.set_device_path, `ZOO_DEVICE_PATH=1`) proves that a step's model code never waits for the device.
 
 Caught: Tensor.item / tolist / __bool__ / __int__ / __float__ / __index__ (an `if t:`, `int(t)`, `range(t)`),
-and the ops whose output size depends on values (nonzero, unique, bincount, masked_select, boolean-mask
-indexing). `allow()` lifts it around the torch references of the Triton kernels (on a device the kernel runs
+and the ops whose output size depends on values (nonzero, unique, bincount, masked_select). Not caught:
+indexing with a boolean mask (a `__getitem__` patched onto Tensor's own dict changes the type's slots, and
+torch.tensor() then takes every 0-d tensor for a sequence, even after the patch is removed). `allow()` lifts it around the torch references of the Triton kernels (on a device the kernel runs
 there, reading nothing back). The model runner wraps forward and compute_logits in it when the device path is
 forced on the CPU; the sampler's single read of the sampled tokens is outside.
 """
@@ -17,7 +18,7 @@ import torch
 
 _state = threading.local()
 _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "bincount",
-            "masked_select")  # not __getitem__: patching it on Tensor makes tensors sequences to torch.tensor()
+            "masked_select")
 _FUNCTIONS = ("nonzero", "unique", "bincount", "masked_select")
 
 
@@ -32,14 +33,7 @@ def _active() -> bool:
 def _wrap(name: str, fn):
     def guarded(*args, **kwargs):
         if _active():
-            if name == "__getitem__":
-                index = args[1] if len(args) > 1 else None
-                parts = index if isinstance(index, tuple) else (index,)
-                if not any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                    return fn(*args, **kwargs)
-                name_ = "indexing with a boolean mask"
-            else:
-                name_ = f"Tensor.{name}" if name.startswith("_") or name in ("item", "tolist") else name
+            name_ = f"Tensor.{name}" if name.startswith("_") or name in ("item", "tolist") else name
             raise HostSync(f"{name_} inside a device-path step: it reads the device's values back to the host "
                            f"(a synchronisation); keep the values on the device or take them from the batch's "
                            f"host lists (query_start_loc_cpu, seq_lens_cpu)")
@@ -58,8 +52,7 @@ def _install() -> None:
         if _installed:
             return
         for name in _METHODS:
-            # None: inherited from TensorBase. Restoring it by setattr would put it in Tensor's own dict, which
-            # changes the type's slots (a __getitem__ there makes every tensor a Python sequence to torch.tensor)
+            # None: inherited from TensorBase; removed again on uninstall rather than copied into Tensor's dict
             _installed[("Tensor", name)] = vars(torch.Tensor).get(name)
             setattr(torch.Tensor, name, _wrap(name, getattr(torch.Tensor, name)))
         for name in _FUNCTIONS:
