@@ -1,4 +1,5 @@
-"""Fixtures that run a test on both paths of the layers: zoo's native kernels and plain torch ops.
+"""Fixtures that run a test on both paths of the layers: zoo's native kernels and plain torch ops (and
+`twice(fn)`: a kernel's result on one thread and on two, equal bit for bit).
 
     from kernel_paths import ops  # noqa: F401   (pytest finds fixtures imported into a test module)
 
@@ -33,3 +34,17 @@ def ops(request):
             yield request.param
     finally:
         kernels.set_enabled(previous)
+
+
+def twice(fn):
+    """fn() on one thread and on two: the results must be equal bit for bit."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        two = fn()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), "the result depends on the thread count"
+    return one

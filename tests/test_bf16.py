@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_paths import twice
 from zoo import kernels
 from zoo.layers.attention import Attention
 
@@ -29,20 +30,6 @@ def no_grad():
         yield
 
 
-def on_threads(fn):
-    """fn() on one thread and on two: equal bit for bit (each output element is summed by one thread)."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = fn()
-        torch.set_num_threads(2)
-        two = fn()
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two), "the result depends on the thread count"
-    return one
-
-
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17, 64])
 @pytest.mark.parametrize("n,k", [(960, 576), (7, 13), (100, 40), (50, 33)])
 def test_bf16_linear_matches_float32_math(m, n, k):
@@ -51,7 +38,7 @@ def test_bf16_linear_matches_float32_math(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(BF16), torch.randn(n, generator=g)
     for bias in (None, b):
-        got = on_threads(lambda: kernels.linear(x, w, bias))
+        got = twice(lambda: kernels.linear(x, w, bias))
         assert got.dtype is torch.float32
         exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         torch_err = (F.linear(x, w.float(), bias) - exact).abs().max().item()
@@ -103,8 +90,8 @@ def test_bf16_cache_attention_equals_float32_on_the_rounded_values(d, window):
         q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
         kr, vr = k.to(BF16).float(), v.to(BF16).float()
         batch = paged_batch(lengths, done, half, blocks, bs)
-        got = on_threads(lambda: kernels.attention(q, k, v, half, batch, scale=d ** -0.5, sliding_window=window,
-                                                   softcap=None))
+        got = twice(lambda: kernels.attention(q, k, v, half, batch, scale=d ** -0.5, sliding_window=window,
+                                              softcap=None))
         want = attn(q, kr, vr, full, paged_batch(lengths, done, full, blocks, bs))
         assert torch.equal(got, want)
         done = lengths

@@ -51,14 +51,19 @@ def generate(engine, prompts, *, wave=None):
     return [done[i].token_ids for i in ids], engine
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_transformers_on_the_device_path(arch, tmp_path, device_path):
-    path = save_arch(arch, tmp_path)
+def reference_tokens(path):
+    """transformers' greedy tokens for each of PROMPTS, one prompt at a time."""
     ref = load_reference(path)
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = [ref.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)[0, len(p):]
-                    .tolist() for p in PROMPTS]
+        return [ref.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)[0, len(p):]
+                .tolist() for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers_on_the_device_path(arch, tmp_path, device_path):
+    path = save_arch(arch, tmp_path)
+    expected = reference_tokens(path)
     model, config, _, _ = build_model(path)
     engine = LLMEngine(model, config, block_size=4, num_blocks=64, max_num_batched_tokens=8)
     assert engine.runner.device_path and engine.runner.fused is None and "device path" in engine.runner.step_path
@@ -98,11 +103,7 @@ def test_the_default_cpu_path_is_unchanged(tmp_path):
 def test_greedy_on_the_gpu(arch, tmp_path):
     """The real thing: float32 on CUDA with the Triton kernels, greedy tokens equal transformers' on the CPU."""
     path = save_arch(arch, tmp_path)
-    ref = load_reference(path)
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = [ref.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)[0, len(p):]
-                    .tolist() for p in PROMPTS]
+    expected = reference_tokens(path)
     model, config, _, _ = build_model(path, device="cuda")
     engine = LLMEngine(model, config, block_size=4, num_blocks=64, max_num_batched_tokens=8, device="cuda")
     assert "Triton" in engine.runner.step_path

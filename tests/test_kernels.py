@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_paths import twice
 from zoo import kernels
 from zoo.layers.attention import Attention
 from zoo.layers.linear import Linear
@@ -31,20 +32,6 @@ def threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-
-
-def twice(fn):
-    """fn() on one thread and on two: the results must be equal bit for bit."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = fn()
-        torch.set_num_threads(2)
-        two = fn()
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two), "the result depends on the thread count"
-    return one
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 200, 257])
