@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
-                           validate)
+from plugins.gemma import GemmaModel
+from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, validate
 from registry import ArchSpec, hookimpl
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.norm import GemmaRMSNorm
@@ -49,12 +49,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         return hidden_states + self.post_feedforward_layernorm(h)
 
 
-class Gemma3Model(LlamaModel):
+class Gemma3Model(GemmaModel):  # Gemma's (1 + w) final norm and sqrt(H)-scaled embedding
     layer_class = Gemma3DecoderLayer
-    norm_class = GemmaRMSNorm  # diff with Llama: (1 + w) final norm
-
-    def embed_scale(self, config) -> float:
-        return config.hidden_size ** 0.5  # diff with Llama: embeddings scaled by sqrt(H)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
