@@ -1,6 +1,8 @@
 """Check that the zoo computes what transformers computes, layer by layer in float32.
 
     zoo parity MODEL [--prompts FILE] [--scenario NAME ...] [--tol key=value ...] [--json PATH] [--html PATH]
+    zoo parity x.gguf [--dtype float32]   (default: the zoo side keeps the GGUF's blocks quantized, as `zoo run`;
+                                           --dtype float32 dequantizes it, as the reference always does)
     zoo parity --tiny CONFIG      (a directory with config.json, or the file: shrunk, random weights)
 
 Exit status: 0 every scenario passes, 1 a divergence (or the zoo's strict loader refuses the checkpoint),
@@ -36,6 +38,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=4, help="KV block size of the runtime (default 4)")
     parser.add_argument("--chunk-tokens", type=int, default=7, help="chunked scenario: token budget per step")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32"],
+                        help="a GGUF file: dequantize it to float32 on the zoo side too (default: its blocks kept "
+                             "quantized where `zoo run` keeps them, judged with the quantized tolerances; the "
+                             "reference is transformers' dequantized float32 model either way)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="run the zoo side over N tensor-parallel ranks (spawned, gloo) and compare the taps "
                              "every rank holds whole (layers, norms, attention / MLP outputs, logits)")
@@ -107,7 +113,7 @@ def run(args) -> int:
                             tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                             block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
                             replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
-                            progress=say)
+                            quantized=False if args.dtype == "float32" else None, progress=say)
         images = None
         if args.image:
             from parity.multimodal import image_parity

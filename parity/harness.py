@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -181,11 +182,70 @@ def _version(dist: str) -> str:
 
 
 # -- the run -----------------------------------------------------------------------------------------------
+def zoo_quantization(files, quantized: bool | None, device: str, tensor_parallel_size: int):
+    """(the GGUF source opened with its blocks kept, or None: the zoo side dequantizes; the report's
+    "quantization" record {"mode": "blocks" | "dequantized" | "none", "file_types", "note"}). `quantized` None:
+    blocks kept where `zoo run` keeps them (a GGUF, the CPU, one process, every block type with kernels)."""
+    if not files.is_gguf:
+        if quantized:
+            raise ParityUsageError(f"{files.name}: only a GGUF file's blocks can be kept quantized")
+        return None, {"mode": "none", "note": None}
+    file_types = gguf_file_types(files.path)
+    record = {"mode": "dequantized", "file_types": file_types,
+              "note": "the zoo side dequantizes the GGUF to float32 (as the reference does)"}
+    if quantized is False:
+        return None, record
+    why = None if str(device) == "cpu" and tensor_parallel_size == 1 else \
+        f"device {device}, tensor parallel size {tensor_parallel_size}: the block kernels run on the CPU, one process"
+    source = None
+    if why is None:
+        from zoo.runtime.llm import open_quantized
+
+        source, kinds = open_quantized(files.path)
+        if kinds:
+            source.close()
+            source, why = None, f"{files.name} holds {', '.join(kinds)} tensors, which zoo has no quantized kernels for"
+    if why is not None:
+        if quantized:
+            raise ParityUsageError(f"cannot keep {files.name}'s blocks quantized: {why}; drop the flag or give "
+                                   f"--dtype float32")
+        return None, {**record, "note": f"{why}: {record['note']}"}
+    return source, {"mode": "blocks", "file_types": file_types,
+                    "note": f"the zoo side keeps {files.name}'s blocks quantized (block kernels, float32 activations); "
+                            f"the reference dequantizes them to float32"}
+
+
+def gguf_file_types(path) -> dict[str, int]:
+    """{GGML type name: tensors of that type} of a GGUF file (its own record of what it holds)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out: dict[str, int] = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _type_counts(kept: dict[str, str]) -> dict[str, int]:
+    """{"Q4_1": 120, ...}: the block types of the weights kept quantized (a mixed q/k/v counts each of its types)."""
+    out: dict[str, int] = {}
+    for layout in kept.values():
+        for part in layout.split()[0].split("+"):
+            kind = part.split("[")[0]
+            out[kind] = out.get(kind, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, prompt_texts: list[str] | None = None,
                prompts_file=None, scenarios=SCENARIOS, tol_overrides: dict[str, float] | None = None,
                seed: int = 0, max_new_tokens: int = 4, block_size: int = 4, chunk_tokens: int = 7,
                device: str = "cpu", replay: bool = True, tensor_parallel_size: int = 1,
-               progress: Callable[[str], None] | None = None) -> ParityResult:
+               quantized: bool | None = None, progress: Callable[[str], None] | None = None) -> ParityResult:
+    """`quantized`: run the zoo side on a GGUF's blocks kept quantized (True), dequantized to float32 (False), or
+    (None, `zoo run`'s default) quantized for a GGUF on the CPU in one process whose block types all have
+    kernels. The reference is transformers' dequantized float32 model either way; quantized runs are judged
+    with their own tolerances (parity/tolerances.py QUANTIZED)."""
     from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
 
     say = progress or (lambda msg: None)
@@ -225,6 +285,9 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             raise ParityUsageError(degenerate_message(bad))
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
+    source, quantization = zoo_quantization(files, quantized, device, tensor_parallel_size)
+    if quantization["note"]:
+        say(quantization["note"])
 
     t0 = time.perf_counter()
     try:  # a failure to load either side is an environment / usage error, named; but a strictness
@@ -235,8 +298,9 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         if tensor_parallel_size > 1:
             say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, float32)")
         else:
-            say("building the zoo model (build_model, float32)")
-        zoo = ZooSide(files.path, device=device, config=config, tensor_parallel_size=tensor_parallel_size)
+            say(f"building the zoo model (build_model, float32{', GGUF blocks kept quantized' * (source is not None)})")
+        zoo = ZooSide(source or files.path, device=device, config=config, tensor_parallel_size=tensor_parallel_size,
+                      quantized=source is not None)
     except LoadError as e:
         if "ref_model" in locals() and exit_status(e) == 1:
             raise ZooLoadFailure(model, e) from e
@@ -247,9 +311,13 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
     try:
         family = zoo.spec.family
-        tol = tolerances(family, tol_overrides)
+        tol = tolerances(family, tol_overrides, quantized=source is not None)
+        kept = getattr(zoo.load_report, "quantized", None) or {}
+        quantization.update(weights=kept, types=_type_counts(kept))
+        num_params = sum(math.prod(p.quant.shape) if getattr(p, "quant", None) is not None else p.numel()
+                         for p in zoo.model.parameters())
         inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
-                             num_params=sum(p.numel() for p in zoo.model.parameters()), seed=seed, zoo_model=zoo.model)
+                             num_params=num_params, seed=seed, zoo_model=zoo.model)
         prompts, prompt_texts = inputs.prompts, inputs.texts
         for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
             say(note)
@@ -283,6 +351,7 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             "checkpoint": str(files.path),
             "checkpoint_sha256": checkpoint_hash(files),
             "dtype": "float32",
+            "quantization": quantization,
             "metrics_dtype": "float64",
             "device": device,
             "seed": seed,

@@ -3,7 +3,9 @@
 JSON layout (every number float64 rounded to 6 significant digits; null = position not compared;
 the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/Inf at a compared position):
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
-     dtype, seed, ...}, "prompts": [[ids]], "prompt_texts", "hints",
+     dtype, seed, "quantization": {"mode": "blocks" (a GGUF's blocks kept on the zoo side) | "dequantized" |
+     "none", "file_types": {GGML type: tensors}, "types": {block type: weights kept}, "weights": {parameter:
+     layout}, "note"}, ...}, "prompts": [[ids]], "prompt_texts", "hints",
      "inputs": {"notes": [prompts the harness replaced or added], "exercised", "not_exercised": [features]},
      "constants": {"checked": [module constant], "mismatches": [text]},
      "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",
@@ -115,6 +117,14 @@ def format_summary(result: ParityResult) -> str:
         lines.insert(2, f"not compared (no zoo module joins these reference taps; see parity_taps in parity/taps.py): "
                         f"{', '.join(missing)}")
     lines[2:2] = input_lines(result)
+    quant = (result.meta or {}).get("quantization") or {}
+    if quant.get("mode") == "blocks":
+        kinds = ", ".join(f"{k} x{n}" for k, n in quant.get("types", {}).items())
+        lines.insert(2, f"quantized: the zoo side runs {len(quant.get('weights', {}))} weights as GGUF blocks "
+                        f"({kinds}) on the block kernels; the reference is transformers' dequantized float32 model; "
+                        f"quantized tolerances (parity/tolerances.py QUANTIZED)")
+    elif quant.get("mode") == "dequantized":
+        lines.insert(2, f"dequantized: {quant['note']}")
     if "tensor_parallel" in result.meta:
         tp = result.meta["tensor_parallel"]
         lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")

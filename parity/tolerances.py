@@ -7,6 +7,8 @@ any real bug produces (a wrong rotary half, an eps, a swapped projection: 1e-3 a
 MoE, MLA, SSM and multimodal get more room: a near-tie in a router can pick another expert for one
 token, absorbed MLA and chunked scans reorder more arithmetic.
 
+A GGUF run with its blocks kept quantized (`quantized=True`) is judged with QUANTIZED (below), stated apart.
+
 Keys:
     rel_l2       max relative L2 error of any tap row                      (||zoo - ref|| / ||ref||)
     cosine       min cosine similarity of any tap row
@@ -39,10 +41,31 @@ FAMILY = {
 }
 
 
-def tolerances(family: str, overrides: dict[str, float] | None = None) -> dict[str, float]:
+# The zoo side on a GGUF's blocks kept quantized (`zoo parity x.gguf`, as `zoo run` runs it) against transformers'
+# dequantized float32 model: the block kernels dequantize in registers and accumulate in float32, so both sides
+# compute float32 math on the same values, in another summation order. Stated on their own (a loosening only:
+# the family's looser bounds stay). Measured on the embedded SmolLM2-135M Q4_1 file, 30 layers, all six
+# scenarios: worst rel_l2 7.5e-6, KL max 6.3e-11, top-1 100% (dequantized to float32: the same orders); on the
+# tiny Q4_1 GGUF of tests/test_parity_quant.py: rel_l2 1.3e-6, KL max 3.7e-14. So the float32 bounds hold as they
+# are; integer (VNNI) kernels, which round the activations, would need their own.
+QUANTIZED = {
+    "rel_l2": 1e-4,
+    "cosine": 1 - 1e-6,
+    "kl_max": 1e-6,
+    "kl_mean": 1e-7,
+    "top1": 1.0,
+    "packing": 1e-4,
+}
+LOOSER_IS_LOWER = ("cosine", "top1", "experts")  # lower bounds: loosening takes the smaller value
+
+
+def tolerances(family: str, overrides: dict[str, float] | None = None, *, quantized: bool = False) -> dict[str, float]:
     if family not in FAMILY:
         raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILY)}")
     tol = {**BASE, **FAMILY[family]}
+    if quantized:  # the quantized bounds, where looser than the family's
+        tol = {k: v if k not in QUANTIZED else min(v, QUANTIZED[k]) if k in LOOSER_IS_LOWER else max(v, QUANTIZED[k])
+               for k, v in tol.items()}
     for key, value in (overrides or {}).items():
         if key not in tol:
             raise ValueError(f"--tol {key}: unknown key; known: {', '.join(tol)}")

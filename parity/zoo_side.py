@@ -147,12 +147,16 @@ def runtime_findings(steps: list[dict]) -> list[str]:
 class ZooSide:
     """The zoo model built once (build_model, float32) and run through a fresh engine per scenario.
 
+    quantized=True (a GGUF file, or its opened loader source): its block-quantised weights stay as blocks and
+    run on the block kernels (`zoo run`'s default for a GGUF), float32 activations; the reference dequantises.
+
     tensor_parallel_size=N: rank 0 of a tensor-parallel group (zoo/runtime/distributed.py) whose workers mirror
     every forward and head of every scenario's engine. Its taps are the points where every rank holds the whole
     tensor (taps.TP_REPLICATED_ROLES: after the row-parallel all-reduces and the vocab gather); column-split
     activations inside a block, and a shared expert's partial sum, are not compared."""
 
-    def __init__(self, path, *, device: str = "cpu", config=None, processor=None, tensor_parallel_size: int = 1):
+    def __init__(self, path, *, device: str = "cpu", config=None, processor=None, tensor_parallel_size: int = 1,
+                 quantized: bool = False):
         from zoo.build import build_model
 
         self.tp = None
@@ -166,7 +170,7 @@ class ZooSide:
                 self.tp.model, self.tp.config, self.tp.spec, self.tp.load_report
         else:
             self.model, self.config, self.spec, self.load_report = build_model(
-                path, dtype=torch.float32, device=device, config=config)
+                path, dtype=torch.float32, device=device, config=config, quantized=quantized)
         self.device = device
         self.processor = processor  # a multimodal model's: its engines take images
 

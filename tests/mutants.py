@@ -24,6 +24,7 @@ from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaF
 from plugins.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
 from plugins.mixtral import MIXTRAL_RULES, MixtralDecoderLayer, MixtralForCausalLM, MixtralModel
 from registry import ArchSpec, get_registry, hookimpl
+from zoo.layers.linear import Linear, linear
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import TopKRouter
 from zoo.layers.norm import RMSNorm, _rms
@@ -128,6 +129,33 @@ class NanAtOnePositionLayer(LlamaDecoderLayer):
             return out
         poison = torch.where(positions == NAN_POSITION, float("nan"), 1.0).to(out.dtype)  # [T]
         return out * poison[:, None]  # the bug: NaN rows, which parity once took for "not computed"
+
+
+# -- a block kernel reading a Q4 block's nibbles the wrong way round (a GGUF kept quantized only) ------------
+class NibbleSwappedLinear(Linear):
+    """down_proj on Q4_0 / Q4_1 blocks whose two nibbles per byte are read swapped (values 0..15 of a block
+    become 16..31); a float32 weight (the GGUF dequantized) is untouched, so only a quantized run sees it."""
+
+    def forward(self, x):
+        w = self.weight
+        if w.dtype is not torch.uint8 or {t.name for _, _, t in w.quant.segments} - {"Q4_0", "Q4_1"}:
+            return super().forward(x)
+        if getattr(self, "swapped", None) is None:
+            swapped = w.detach().clone()
+            for (a, b, t), at in zip(w.quant.segments, w.quant.offsets()):
+                blocks = swapped[at:at + (b - a) * t.row_bytes(w.quant.shape[1])].view(-1, t.block_bytes)
+                nibbles = blocks[:, t.block_bytes - 16:]  # the 16 bytes of 32 nibbles after the scales
+                nibbles.copy_((nibbles << 4) | (nibbles >> 4))
+            swapped.quant = w.quant
+            self.swapped = swapped
+        return linear(x, self.swapped)  # the bug
+
+
+class QuantNibblesSwappedLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx, *, prefix):
+        super().__init__(config, layer_idx, prefix=prefix)
+        if layer_idx == BUG_LAYER:
+            self.mlp.down_proj.__class__ = NibbleSwappedLinear
 
 
 # -- below the numerical tolerance: eps 1e-5 instead of the config's 1e-6 (issue 12, class 7) -------------------
@@ -296,6 +324,7 @@ NormEpsSlight = _llama(NormEpsSlightLayer)
 AttentionScale = _llama(AttentionScaleLayer)
 ResidualScaled = _llama(ResidualScaledLayer)
 NormWeightIgnored = _llama(NormWeightIgnoredLayer)
+QuantNibblesSwapped = _llama(QuantNibblesSwappedLayer)
 FeedForward = _llama(FeedForwardLayer)
 FeedForward.parity_taps = {"model.layers.{i}.feed_forward": "model.layers.{i}.mlp"}
 MoeNoRenorm = _mixtral(_router_layer(NoRenormRouter))
@@ -313,6 +342,10 @@ MUTANTS = {
     "window_off_by_one": ("MistralForCausalLM", "WindowOffByOne"),
     "moe_no_renormalize": ("MixtralForCausalLM", "MoeNoRenorm"),
     "moe_off_by_one_expert": ("MixtralForCausalLM", "MoeOffByOneExpert"),
+}
+# planted in the quantized path only (tests/test_parity_quant.py: a GGUF's blocks kept on the zoo side)
+QUANT_MUTANTS = {
+    "quant_nibbles_swapped": ("LlamaForCausalLM", "QuantNibblesSwapped"),
 }
 # correct implementations with another structure: parity must pass once they follow the protocol
 VARIANTS = {
@@ -335,7 +368,7 @@ EXTRA_RULES = {"feed_forward_tap_map": Rules(renames=(Rename(".mlp.", ".feed_for
 
 class MutantPlugin:
     def __init__(self, name: str):
-        self.arch, self.cls = {**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS}[name]
+        self.arch, self.cls = {**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS, **QUANT_MUTANTS}[name]
         self.rules = RULES_OF.get(self.arch, LLAMA_RULES) + EXTRA_RULES.get(name, Rules())
 
     @hookimpl
@@ -351,7 +384,7 @@ def planted(name: str, registry=None):
     plugin_name = f"mutant-{name}"
     reg.register_plugin(MutantPlugin(name), name=plugin_name)
     try:
-        yield reg.get({**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS}[name][0])
+        yield reg.get({**MUTANTS, **VARIANTS, **BLIND_SPOT_MUTANTS, **QUANT_MUTANTS}[name][0])
     finally:
         reg.unregister_plugin(plugin_name)
 

@@ -2,6 +2,8 @@
 
     path = write_gguf(model, config, tmp_path / "m.gguf", {"": "Q8_0"})         # every matrix Q8_0
     path = write_gguf(model, config, path, {"": "Q4_K", "attn_v": "Q6_K"})     # v in Q6_K (a mixed q/k/v)
+    path = write_gguf(model, config, path, types, tokenizer=True)  # with a llama tokenizer: a file `zoo parity`
+                                                                   # and transformers' gguf_file= read whole
 
 Q4_0, Q4_1 and Q8_0 blocks come from gguf.quants.quantize; the package cannot quantise the K-quants, so
 quantize_k() here packs Q4_K / Q6_K blocks itself (simple absmax scales, not llama.cpp's search). What the
@@ -77,13 +79,35 @@ def quantize_k(x: np.ndarray, kind: str) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-def write_gguf(model: torch.nn.Module, config, path: Path, types: dict[str, str]) -> Path:
+def add_tokenizer(w, vocab: int) -> None:
+    """A SentencePiece-style ("llama") vocabulary of `vocab` pieces: <unk> <s> </s>, the 256 byte pieces, then
+    letters and two-letter words (scores falling with the index), padded with <extra_N> pieces."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = ["\u2581"] + ["\u2581" + c for c in letters] + list(letters) + \
+        ["\u2581" + a + b for a in "aeiost" for b in letters]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    if len(tokens) > vocab:
+        raise ValueError(f"a tokenizer needs a vocabulary of at least {len(tokens)} (the config has {vocab})")
+    tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))  # unknown, control, byte, normal
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def write_gguf(model: torch.nn.Module, config, path: Path, types: dict[str, str], *, tokenizer: bool = False) -> Path:
     """The model's weights as a llama GGUF at `path`: each matrix in types[its GGUF short name] (or types[""]),
-    vectors in F32. Metadata: what GGUFSource reads (architecture, head counts) and the shapes."""
+    vectors in F32. Metadata: what GGUFSource reads (architecture, head counts) and the shapes; `tokenizer`: also
+    a vocabulary (add_tokenizer), so the config and tokenizer read from the file alone."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     w = gguf.GGUFWriter(str(path), "llama")
+    if tokenizer:
+        add_tokenizer(w, config.vocab_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)

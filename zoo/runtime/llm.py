@@ -91,7 +91,7 @@ class LLM:
             quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and device.type == "cpu"
                                       and _dtype(dtype) is torch.float32) else None
             if quantization == "gguf":
-                source, kinds = _open_quantized(self.files.path)
+                source, kinds = open_quantized(self.files.path)
                 if kinds:
                     say(f"{self.files.name} holds {', '.join(kinds)} tensors, which zoo has no quantized kernels "
                         f"for: dequantized to float32")
@@ -285,7 +285,7 @@ def _merged(samples: list[RequestOutput]) -> RequestOutput:
                                                     for i, s in enumerate(samples)])
 
 
-def _open_quantized(path):
+def open_quantized(path):
     """(the GGUF source opened with its blocks kept, the block types in it without quantized kernels)."""
     import re
 
