@@ -319,7 +319,20 @@ class GGUFSource(Source):
         if heads:  # the rows of each head from (half, 2) back to (2, half), as unpermute()
             raw = raw.reshape(heads, info.shape[0] // heads // 2, 2, row).swapaxes(1, 2).reshape(info.shape[0], row)
         out.numpy()[...] = raw  # (numpy: a read-only mapping is not a torch tensor's storage)
+        self._release(offset, info.shape[0] * row)
         return info.nbytes
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Unmap the pages of file bytes [offset, offset + nbytes) from this process once they are copied out
+        (MADV_DONTNEED on a read-only file mapping: the page cache keeps them, a later read faults them back).
+        Left mapped, every page read counts in the process's RSS beside its copy: the whole file on top of the
+        weights at the end of a load (bench/quant.py's peak)."""
+        if hasattr(mmap, "MADV_DONTNEED") and nbytes > 0:
+            start = offset - offset % mmap.PAGESIZE
+            try:
+                self._buf.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(self._buf)) - start)
+            except (OSError, ValueError):  # (an advice the platform refuses: the pages stay until close)
+                pass
 
     def _heads(self, key: str) -> int | None:
         """The heads a q/k projection's rows are permuted in (llama.cpp's converter), else None."""
@@ -360,6 +373,7 @@ class GGUFSource(Source):
             byte_shape = self._gguf.quants.quant_shape_to_byte_shape(shape, q(kind))
             data = np.frombuffer(self._buf, dtype=np.uint8, count=math.prod(byte_shape), offset=offset)
             out = torch.from_numpy(self._gguf.quants.dequantize(data.reshape(byte_shape), q(kind)))
+        self._release(offset, data.nbytes)
         out = out.reshape(info.shape)
         if self.architecture in NORM_SHIFTED_ARCHS and "norm.weight" in gguf_name:
             out = out.float() - 1  # the converter's w + 1 back to the checkpoint's w (computed in float32)
