@@ -1,4 +1,5 @@
-"""Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU;
+"""Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU,
+the Mamba2 mixer between its projections;
 `linear` and `attention` also take bfloat16 weights / KV caches (read widened, float32 arithmetic: cpu.cpp's bf16).
 
 Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
@@ -66,6 +67,8 @@ _SIGNATURES = {
     "zoo_qembed": [_P, _L, _P, _P, _I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
+    "zoo_mamba2_mix": [_P, _L, _L, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P, _P, _L,
+                       _P, _P, _I],
 }
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
@@ -519,3 +522,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
         raise ValueError(f"attention: batch.{_BATCH_FIELDS[bad]} is inconsistent with the step's {t} tokens, "
                          f"{seq_lens.shape[0]} requests and the cache of shape {shape}")
     return out
+
+
+def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, n_groups: int,
+               conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor,
+               D: torch.Tensor, norm_weight: torch.Tensor, eps: float, time_step_limit: tuple[float, float],
+               states: tuple[torch.Tensor, torch.Tensor] | None, starts: list[int], slots: list[int],
+               has_state: list[bool]) -> torch.Tensor:
+    """Mamba2's mixer between in_proj and out_proj (zoo/layers/mamba.py's torch path, see cpu.cpp):
+    zx [T, I + C + h] (gate | xBC | dt) -> the gated-normed scan output y [T, I]. Request r owns the rows
+    starts[r]:starts[r + 1] and the state slot slots[r] of states = (conv [S, K-1, C], ssm [S, h, p, N]), read
+    when has_state[r] and written in place; states None: whole prompts from zero state, nothing kept."""
+    conv_state, ssm_state = states if states is not None else (None, None)
+    _float32("mamba2_mix", "zx conv_weight conv_bias dt_bias A_log D norm_weight conv_state ssm_state", zx,
+             conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, conv_state, ssm_state)
+    h, p, n, g = heads, head_dim, state_size, n_groups
+    inter, channels, k = h * p, h * p + 2 * g * n, conv_weight.shape[-1]
+    t, b = zx.shape[0], len(slots)
+    if (zx.dim() != 2 or zx.shape[1] != inter + channels + h or zx.stride(1) != 1 or h % g
+            or conv_weight.shape != (channels, 1, k) or not 1 <= k <= 17
+            or (conv_bias is not None and conv_bias.shape != (channels,))
+            or not dt_bias.shape == A_log.shape == D.shape == (h,) or norm_weight.shape != (inter,)):
+        raise _bad("mamba2_mix", f"expected zx [T, {inter + channels + h}] (unit last stride), conv_weight "
+                   f"[{channels}, 1, K <= 17], conv_bias [{channels}], dt_bias / A_log / D [{h}], norm_weight "
+                   f"[{inter}] and heads a multiple of n_groups", zx=zx.shape, conv_weight=conv_weight.shape,
+                   dt_bias=dt_bias.shape, A_log=A_log.shape, D=D.shape, norm_weight=norm_weight.shape)
+    if states is not None:
+        s = conv_state.shape[0]
+        if (conv_state.shape != (s, k - 1, channels) or ssm_state.shape != (s, h, p, n)
+                or not conv_state.is_contiguous() or not ssm_state.is_contiguous()):
+            raise _bad("mamba2_mix", f"states must be contiguous conv [S, {k - 1}, {channels}] and ssm "
+                       f"[S, {h}, {p}, {n}]", conv=conv_state.shape, ssm=ssm_state.shape)
+        if any(not 0 <= v < s for v in slots) or len(set(slots)) != b:
+            raise ValueError(f"kernels.mamba2_mix: state slots {slots} must be distinct and in [0, {s})")
+    elif any(has_state):
+        raise ValueError("kernels.mamba2_mix: a request has an initial state but no states were given")
+    if len(starts) != b + 1 or len(has_state) != b or starts[0] != 0 or starts[-1] != t or any(
+            a > c for a, c in zip(starts, starts[1:])):
+        raise ValueError(f"kernels.mamba2_mix: starts {starts} must rise from 0 to the {t} rows, one more than "
+                         f"the {b} slots and has_state flags")
+    starts_t = torch.tensor(starts, dtype=torch.int64)
+    slots_t = torch.tensor(slots, dtype=torch.int64)
+    flags = torch.tensor(has_state, dtype=torch.int32)
+    xbc, y = torch.empty(t, channels), torch.empty(t, inter)
+    lo, hi = time_step_limit
+    params = [None if v is None else v.contiguous() for v in (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)]
+    _lib.zoo_mamba2_mix(zx.data_ptr(), t, zx.stride(0), h, p, n, g, k, *map(_ptr, params), eps, lo, hi,
+                        _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), b,
+                        xbc.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y

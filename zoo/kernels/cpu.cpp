@@ -14,7 +14,7 @@
 // most one chunk, where a fork-join barrier (OpenMP) waits for it at every kernel. Every output element is
 // computed by one thread in a fixed order: results do not depend on the thread count.
 //
-// Contents: Pool; linear (GEMV / GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; argmax;
+// Contents: Pool; linear (GEMV / GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; the Mamba2 mixer; argmax;
 // zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py).
 #include <unistd.h>
 
@@ -1391,6 +1391,115 @@ extern "C" int zoo_attention_bf16(const float* q, long q_st, long q_sh, const fl
                                   long window, float softcap, int nt) {
     return attention(q, q_st, q_sh, k, k_st, k_sh, v, v_st, v_sh, out, T, H, KV, D, cache, nb, bs, slots, tables,
                      max_blocks, qsl, seq_lens, B, scale, window, softcap, nt);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Mamba2 / SSD mixer after in_proj (zoo/layers/mamba.py), for the requests of a step: zx [T, I + C + h] (row
+// stride ldz) holds gate [I] | xBC [C] | dt [h] per token, I = h p, C = I + 2 g N; request r owns the rows
+// starts[r] .. starts[r + 1] and the state slot slots[r], read only when has_state[r] (else it starts from zero).
+//   1. xBC -> silu(causal depthwise conv + bias) -> xbc [T, C]; the conv window carries on from the slot's K - 1
+//      inputs conv_state [S, K-1, C] (oldest first), which then hold the request's last K - 1 inputs.
+//      Work items: (request, 16 channels).
+//   2. per (request, head), token by token: dt = clamp(softplus(dt + dt_bias)), h = exp(dt A) h + (dt B) x,
+//      y = C . h + D x, with A = -exp(A_log) and the state h [p, N] in place in ssm_state [S, h, p, N]. A token
+//      at a time is the recurrence a chunked scan computes in another order: a split prefill computes exactly
+//      what a one-shot one does, and a head's state (p N floats) stays in L1 over its request's tokens.
+//   3. per (token, group): y = y silu(gate), then RMS over the group's I / g channels, times norm_w -> y [T, I].
+// Without states (conv_state == nullptr) every request is a whole prompt from a zero state and nothing is kept.
+
+static inline v16 load_n(const float* p, long n) {  // n <= 16 values, zeros after
+    if (n == 16) return load(p);
+    float t[16] = {0};
+    memcpy(t, p, n * sizeof(float));
+    return load(t);
+}
+static inline void store_n(float* p, v16 v, long n) {
+    if (n == 16) return store(p, v);
+    float t[16];
+    store(t, v);
+    memcpy(p, t, n * sizeof(float));
+}
+
+extern "C" void zoo_mamba2_mix(const float* zx, long T, long ldz, long H, long P, long N, long G, long K,
+                               const float* conv_w, const float* conv_b, const float* dt_bias, const float* A_log,
+                               const float* Dskip, const float* norm_w, float eps, float dt_min, float dt_max,
+                               float* conv_state, float* ssm_state, const int64_t* starts, const int64_t* slots,
+                               const int32_t* has_state, long B, float* xbc, float* y, int nt) {
+    const long I = H * P, C = I + 2 * G * N, blocks = (C + 15) / 16;
+    std::vector<float> wt(K * C);  // the conv weight [C, K] as [K, C]: one vector load per tap
+    for (long c = 0; c < C; c++)
+        for (long k = 0; k < K; k++) wt[k * C + c] = conv_w[c * K + k];
+    parallel_for(B * blocks, 8, (T * C >= 16384) ? nt : 1, [&](long item) {
+        const long r = item / blocks, c = item % blocks * 16, n = std::min(16L, C - c);
+        float* prev = conv_state ? conv_state + slots[r] * (K - 1) * C + c : nullptr;
+        v16 win[16];  // the K - 1 inputs before the current token (K <= 17, checked by the wrapper)
+        for (long k = 0; k < K - 1; k++) win[k] = prev && has_state[r] ? load_n(prev + k * C, n) : splat(0.0f);
+        const v16 bias = conv_b ? load_n(conv_b + c, n) : splat(0.0f);
+        for (long t = starts[r]; t < starts[r + 1]; t++) {
+            const v16 x = load_n(zx + t * ldz + I + c, n);
+            v16 acc = bias;
+            for (long k = 0; k < K - 1; k++) acc = acc + load_n(wt.data() + k * C + c, n) * win[k];
+            acc = acc + load_n(wt.data() + (K - 1) * C + c, n) * x;
+            store_n(xbc + t * C + c, act16<SILU>(acc), n);
+            for (long k = 0; k + 1 < K - 1; k++) win[k] = win[k + 1];
+            if (K > 1) win[K - 2] = x;
+        }
+        if (prev)
+            for (long k = 0; k < K - 1; k++) store_n(prev + k * C, win[k], n);
+    });
+    parallel_for(B * H, 1, nt, [&](long item) {
+        const long r = item / H, hd = item % H, grp = hd / (H / G);
+        thread_local std::vector<float> scratch;
+        float* const buf = room(scratch, P * N + N);  // dB [N], and the state [P, N] when nothing keeps it
+        float* const dB = buf + P * N;
+        float* const h = ssm_state ? ssm_state + (slots[r] * H + hd) * P * N : buf;
+        if (!ssm_state || !has_state[r]) std::fill(h, h + P * N, 0.0f);
+        const float A = -std::exp(A_log[hd]);
+        for (long t = starts[r]; t < starts[r + 1]; t++) {
+            float dt = zx[t * ldz + I + C + hd] + dt_bias[hd];
+            dt = dt > 20.0f ? dt : std::log1p(std::exp(dt));  // softplus (torch's threshold 20)
+            dt = std::min(std::max(dt, dt_min), dt_max);
+            const float decay = std::exp(dt * A);
+            const float* x = xbc + t * C + hd * P;
+            const float* Bt = xbc + t * C + I + grp * N;
+            const float* Ct = xbc + t * C + I + G * N + grp * N;
+            for (long k = 0; k < N; k++) dB[k] = dt * Bt[k];
+            float* yt = y + t * I + hd * P;
+            for (long i = 0; i < P; i++) {
+                float* hi = h + i * N;
+                const v16 xi = splat(x[i]), dv = splat(decay);
+                v16 acc = splat(0.0f);
+                long k = 0;
+                for (; k + 16 <= N; k += 16) {
+                    const v16 hv = load(hi + k) * dv + load(dB + k) * xi;
+                    store(hi + k, hv);
+                    acc = fma16(load(Ct + k), hv, acc);
+                }
+                float s = hsum(acc);
+                for (; k < N; k++) {
+                    hi[k] = hi[k] * decay + dB[k] * x[i];
+                    s = std::fma(Ct[k], hi[k], s);
+                }
+                yt[i] = s + Dskip[hd] * x[i];
+            }
+        }
+    });
+    const long gs = I / G;
+    parallel_for(T * G, 4, T * I >= 16384 ? nt : 1, [&](long item) {
+        const long t = item / G;
+        const long c0 = item % G * gs;
+        const float* gate = zx + t * ldz + c0;
+        float* yt = y + t * I + c0;
+        v16 acc = splat(0.0f);
+        for (long c = 0; c < gs; c += 16) {
+            const long n = std::min(16L, gs - c);
+            const v16 v = load_n(yt + c, n) * act16<SILU>(load_n(gate + c, n));
+            store_n(yt + c, v, n);
+            acc = acc + v * v;  // zeros past n add nothing
+        }
+        const float rs = 1.0f / std::sqrt(hsum(acc) / (float)gs + eps);
+        for (long c = 0; c < gs; c++) yt[c] = norm_w[c0 + c] * (yt[c] * rs);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
