@@ -3,7 +3,8 @@
 The reference is always transformers' one-shot forward (its multi-token continuation through its own cache
 is unreliable for these models: Jamba restarts the scan from zero, Bamba restarts rotary without
 position_ids) and its greedy `generate` for the tokens. The zoo side runs through the real runtime
-(LLMEngine: scheduler, state pool, KV pool), under every schedule a test names.
+(LLMEngine: scheduler, state pool, KV pool), under every schedule a test names, and each of those tests runs
+twice (`ops`): on the native kernels (Mamba2's mixer in kernels.mamba2_mix) and on torch ops, the reference path.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batching import assert_close, random_prompts, run_step
+from kernel_paths import ops  # noqa: F401  (fixture: the runtime tests run on the native kernels and on torch ops)
 from loader import LoadError
 from tiny import load_reference, save_tiny
 from zoo.build import build_model
@@ -106,7 +108,7 @@ def check(case: Case, tokens, logits, what: str) -> None:
 # -- one forward, no runtime -------------------------------------------------------------------------------
 
 @torch.no_grad()
-def test_ragged_prefill_matches_one_shot(case):
+def test_ragged_prefill_matches_one_shot(case, ops):
     """All prompts packed in one flattened step (no state pool: whole prompts from zero state)."""
     got = run_step(case.model, [(p, 0) for p in case.prompts], {})  # [T, V]
     for i, (p, rows) in enumerate(zip(case.prompts, got.split([len(p) for p in case.prompts]))):
@@ -116,7 +118,7 @@ def test_ragged_prefill_matches_one_shot(case):
 
 # -- through the runtime -----------------------------------------------------------------------------------
 
-def test_alone_and_ragged_batch(case):
+def test_alone_and_ragged_batch(case, ops):
     for i in range(len(case.prompts)):
         tokens, logits, _ = generate(case, [i])
         check(case, tokens, logits, "alone")
@@ -126,7 +128,7 @@ def test_alone_and_ragged_batch(case):
 
 
 @pytest.mark.parametrize("budget", [CHUNK - 1, CHUNK, CHUNK + 1, CONV - 2, 1])
-def test_chunked_prefill(case, budget):
+def test_chunked_prefill(case, ops, budget):
     """A per-step token budget cuts the prompts into chunks of `budget` tokens: boundaries at chunk_size - 1,
     chunk_size, chunk_size + 1, chunks shorter than the conv window, one-token chunks."""
     tokens, logits, engine = generate(case, [0, 1], max_num_batched_tokens=budget)
@@ -134,7 +136,7 @@ def test_chunked_prefill(case, budget):
     check(case, tokens, logits, f"chunks of {budget}")
 
 
-def test_freed_slots_hold_nan(case):
+def test_freed_slots_hold_nan(case, ops):
     """Two state slots for four requests: every slot is reused, and every free slot is filled with NaN
     after every step (and at the start): no output may change."""
     def poison(engine):
@@ -147,7 +149,7 @@ def test_freed_slots_hold_nan(case):
     check(case, tokens, logits, "2 slots, NaN in free slots")
 
 
-def test_preemption_by_recompute(case):
+def test_preemption_by_recompute(case, ops):
     """A KV pool too small for all four requests at once: requests are preempted, freed and recomputed."""
     tokens, logits, engine = generate(case, num_blocks=14, block_size=8)
     assert engine.scheduler.num_preemptions > 0 and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
@@ -165,7 +167,7 @@ def test_state_spec_and_pool_bytes(case):
         assert all(t.shape[0] == 3 for t in tensors)
 
 
-def test_prefix_hit_restores_a_boundary_snapshot(case):
+def test_prefix_hit_restores_a_boundary_snapshot(case, ops):
     """With prefix caching, the same prompt again starts from the snapshot at its last block boundary (28 of 29
     tokens); a prompt extended by 12 generated tokens starts from the snapshot decode took at 40. Both give
     the cold run's logits and tokens."""

@@ -337,3 +337,70 @@ def test_fused_decoder_steps_aside_for_hooks(tmp_path):
         assert not fused.usable(ids, batch)
     finally:
         kernels.set_enabled(previous)
+
+
+def _mamba2_step(mixer, lens, computed, slots, num_slots, *, on: bool, states: bool = True):
+    """One Mamba2Mixer forward over requests of `lens` new tokens after `computed` ones, in state `slots`: the
+    kernel (on) or the torch reference -> (y [T, H], conv state [S, K-1, C], ssm state [S, h, p, N]). Slots of
+    requests without an initial state hold NaN: the result must not read them."""
+    t, qsl = sum(lens), [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, 24, generator=g)
+    conv = torch.randn(num_slots, mixer.conv1d.kernel_size - 1, mixer.conv_dim, generator=g)
+    ssm = torch.randn(num_slots, mixer.num_heads, mixer.head_dim, mixer.state_size, generator=g)
+    for c, s in zip(computed, slots):
+        if not c:
+            conv[s], ssm[s] = float("nan"), float("nan")
+    batch = ForwardBatch(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(lens), positions=torch.zeros(t),
+                         slot_mapping=torch.zeros(t), block_tables=torch.zeros(len(lens), 1),
+                         logits_indices=torch.zeros(0))
+    if states:
+        batch.query_start_loc_cpu, batch.seq_lens_cpu = qsl, [c + n for c, n in zip(computed, lens)]
+        batch.ssm_states, batch.state_indices_cpu = {"m": (conv, ssm)}, slots
+        batch.has_initial_state_cpu = [c > 0 for c in computed]
+    previous = kernels.set_enabled(on)
+    try:
+        return mixer(x, batch), conv, ssm
+    finally:
+        kernels.set_enabled(previous)
+
+
+@pytest.mark.parametrize("heads,head_dim,state,groups,limit", [(8, 16, 16, 2, None), (6, 5, 12, 3, (0.05, 0.5)),
+                                                                (4, 16, 40, 1, None)])
+def test_mamba2_mix_matches_the_torch_mixer(heads, head_dim, state, groups, limit):
+    """kernels.mamba2_mix (through Mamba2Mixer) against the mixer's torch path on one ragged step: decode rows
+    and prefill rows, with an initial state (a continued prefill) and without (slots holding NaN), channels and
+    state sizes that are not multiples of 16, n_groups > 1, a time-step clamp; and whole prompts without states.
+    The same on one thread and on two."""
+    from zoo.layers.mamba import Mamba2Mixer
+
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(hidden_size=24, num_heads=heads, head_dim=head_dim, state_size=state, n_groups=groups,
+                        conv_kernel=4, chunk_size=8, time_step_limit=limit, norm_eps=1e-5, prefix="m")
+    for p in mixer.parameters():
+        p.copy_(torch.randn(p.shape) * 0.3)
+    mixer.A_log.copy_(torch.rand(heads) * 2)
+    lens, computed, slots = [1, 13, 20, 1, 2, 3], [7, 5, 0, 30, 0, 9], [3, 0, 5, 1, 2, 6]
+    want = _mamba2_step(mixer, lens, computed, slots, 7, on=False)
+    got = _mamba2_step(mixer, lens, computed, slots, 7, on=True)
+    twice(lambda: torch.cat([v.flatten() for v in _mamba2_step(mixer, lens, computed, slots, 7, on=True)]))
+    for a, b, what in zip(got, want, ("output", "conv state", "ssm state")):
+        torch.testing.assert_close(a[slots] if what != "output" else a, b[slots] if what != "output" else b,
+                                   rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    whole = [_mamba2_step(mixer, [9, 3, 17], [0, 0, 0], [0, 1, 2], 3, on=on, states=False)[0] for on in (True, False)]
+    torch.testing.assert_close(*whole, rtol=1e-5, atol=1e-5)
+
+
+def test_mamba2_mix_refuses_bad_slots():
+    zx = torch.zeros(3, 2 * 8 + 2 * 4 + 1)
+    args = dict(heads=1, head_dim=8, state_size=4, n_groups=1, conv_weight=torch.zeros(16, 1, 4), conv_bias=None,
+                dt_bias=torch.zeros(1), A_log=torch.zeros(1), D=torch.zeros(1), norm_weight=torch.ones(8), eps=1e-5,
+                time_step_limit=(0.0, float("inf")), states=(torch.zeros(2, 3, 16), torch.zeros(2, 1, 8, 4)),
+                starts=[0, 1, 3], has_state=[True, False])
+    for slots in ([0, 2], [1, 1]):
+        with pytest.raises(ValueError, match="state slots"):
+            kernels.mamba2_mix(zx, slots=slots, **args)
+    with pytest.raises(ValueError, match="starts"):
+        kernels.mamba2_mix(zx, slots=[0, 1], **{**args, "starts": [0, 2, 1]})

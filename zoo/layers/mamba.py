@@ -24,6 +24,10 @@ tensors [S, ...] are `batch.states_for(self.prefix)`. A request reads its slot o
 has_initial_state (tokens computed before this step), and writes it after each step. Without states in
 the batch every request is a whole prompt from zero state. The module names are transformers' (in_proj,
 conv1d, norm, out_proj, x_proj, dt_proj, ...) so checkpoint keys and parity taps join by name.
+
+Fast path (float32, CPU, no autograd, no hook on the norm): Mamba2's conv, scan, D skip and gated norm run in one
+native call between the two projections (`zoo.kernels.mamba2_mix`: the recurrence token by token, which a split
+prefill computes exactly as a one-shot one); the torch code below is the reference. Mamba1 runs torch ops.
 """
 from __future__ import annotations
 
