@@ -208,12 +208,31 @@ def _given(allocate, shapes: dict, device: torch.device) -> dict[str, torch.Tens
 
 def nonfinite(t: torch.Tensor) -> int:
     """How many NaN/Inf values t holds. One read-only pass (a sum: any NaN or Inf makes it non-finite); the
-    exact count only when the sum is not finite (then it may also be finite values overflowing the sum)."""
+    exact count only when the sum is not finite (then it may also be finite values overflowing the sum).
+    bfloat16 / float16 on the CPU: the sums of the rows, as a product with a vector of ones (torch's reduction
+    with a float32 accumulator reads these dtypes at ~0.3 GB/s, its GEMV at the memory's speed: 30x faster)."""
     if not t.is_floating_point() or t.numel() == 0:
         return 0
-    if torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)):
+    if t.dtype in (torch.bfloat16, torch.float16) and t.is_cpu and t.is_contiguous():
+        rows = t.view(-1, t.shape[-1]) if t.dim() > 1 else t.view(1, -1)
+        sums = torch.mv(rows, _ones(rows.shape[1], t.dtype))  # NaN / Inf in a row make its sum NaN / Inf
+        if torch.isfinite(sums).all():
+            return 0
+    elif torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)):
         return 0
     return int((~torch.isfinite(t)).sum())
+
+
+_held_ones: dict = {}
+
+
+def _ones(n: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (n, dtype)
+    if key not in _held_ones:
+        if len(_held_ones) > 64:
+            _held_ones.clear()
+        _held_ones[key] = torch.ones(n, dtype=dtype)
+    return _held_ones[key]
 
 
 def _swap_in(module: torch.nn.Module, p, storage: dict[str, torch.Tensor], device: torch.device) -> None:

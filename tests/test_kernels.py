@@ -194,13 +194,25 @@ def test_attention_refuses_metadata_outside_its_buffers(field, value, match):
         kernels.attention(q, k, v, cache, batch, scale=0.25, sliding_window=None, softcap=None)
 
 
-def test_pack_weights_keeps_values_ties_and_outputs():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_weights_keeps_values_ties_and_outputs(dtype):
+    from safetensors.torch import load_file
     from tiny import save_tiny
     from zoo.build import build_model
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp, tie_word_embeddings=True))
+        path = save_tiny("LlamaForCausalLM", tmp, tie_word_embeddings=True)
+        model, *_ = build_model(path, dtype=dtype)
+        held = {k: v.to(dtype) for k, v in load_file(f"{path}/model.safetensors").items()}  # the reference
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    # the fused destinations hold the checkpoint's tensors, as torch.cat lays them out
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([held[f"model.layers.1.self_attn.{n}_proj.weight"]
+                                                        for n in "qkv"]))
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([held[f"model.layers.1.mlp.{n}_proj.weight"]
+                                                           for n in ("gate", "up")]))
+    assert torch.equal(model.model.embed_tokens.weight, held["model.embed_tokens.weight"])
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     ids = torch.tensor([3, 5, 7, 11])
     batch = ForwardBatch(query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
@@ -210,7 +222,7 @@ def test_pack_weights_keeps_values_ties_and_outputs():
     want = model.compute_logits(model(ids, batch.positions, batch))
     loaded_at = {name: p.data_ptr() for name, p in model.named_parameters()}
     packed = kernels.pack_weights(model)
-    assert packed == sum((p.numel() + 15) // 16 * 16 * 4 for p in model.parameters())
+    assert packed == sum((p.numel() * p.element_size() + 63) // 64 * 64 for p in model.parameters())
     assert kernels.pack_weights(model) == packed  # a second call changes nothing
     # build_model read the weights straight into the packed layout: packing moved nothing (no second copy)
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == loaded_at
@@ -219,6 +231,9 @@ def test_pack_weights_keeps_values_ties_and_outputs():
         assert torch.equal(p, before[name]), name
     last = max(p.data_ptr() for p in model.parameters())
     assert model.model.embed_tokens.weight.data_ptr() == last, "the table read by the tied head is packed last"
+    # the rest in module order (the order a step reads them), end to end in one buffer
+    starts = [p.data_ptr() for n, p in model.named_parameters() if "embed" not in n]
+    assert starts == sorted(starts) and last - starts[0] < packed, "one buffer, in reading order"
     assert torch.equal(model.compute_logits(model(ids, batch.positions, batch)), want)
 
 

@@ -285,6 +285,34 @@ def test_nonfinite_opt_in_and_nothing_half_loaded(ckpt):
         assert p is before[n][0] and torch.equal(p, before[n][1]), n
 
 
+def test_nonfinite_in_bfloat16_found_and_counted(ckpt):
+    # bfloat16 is checked through row sums (a GEMV with ones, not a float32 reduction): NaN, Inf and -Inf in a
+    # matrix, a vector and a 1-row tensor are each found, and counted exactly
+    def poison(t):
+        t.update({k: v.bfloat16() for k, v in t.items()})
+        t["model.layers.0.mlp.down_proj.weight"][1, 2:4] = torch.tensor([float("inf"), float("-inf")])
+        t["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
+        t["model.norm.weight"][-1] = float("-inf")
+    rewrite(ckpt / "model.safetensors", poison)
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt, torch.bfloat16), ckpt, check_finite=True)
+    assert sorted(problems_of(e)) == [
+        f"nonfinite: {k} in model.safetensors has {n} NaN/Inf values (-> {p})" for k, n, p in sorted([
+            ("model.layers.0.mlp.down_proj.weight", 2, "model.layers.0.mlp.down_proj.weight"),
+            ("model.layers.1.self_attn.q_proj.weight", 1, "model.layers.1.self_attn.q_proj.weight"),
+            ("model.norm.weight", 1, "model.norm.weight")])]
+
+
+def test_huge_finite_bfloat16_is_not_nonfinite(ckpt):
+    # finite values whose row sum overflows are not NaN/Inf: the exact count decides
+    rewrite(ckpt / "model.safetensors", lambda t: t.update(
+        {k: (torch.full_like(v, 3e38) if k == "model.layers.0.mlp.up_proj.weight" else v).bfloat16()
+         for k, v in t.items()}))
+    model = hf_meta(ckpt, torch.bfloat16)
+    load(model, ckpt, check_finite=True)
+    assert torch.isfinite(model.model.layers[0].mlp.up_proj.weight).all()
+
+
 def test_failed_load_leaves_meta_module_alone(ckpt):
     rewrite(ckpt / "model.safetensors", lambda t: t.pop("lm_head.weight"))
     model = hf_meta(ckpt)

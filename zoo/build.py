@@ -47,8 +47,8 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
         with torch.device("meta"):
             model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
         rules, tp = rules_for(spec, model), None
-    # float32 CPU weights are read straight into the kernels' packed layout (kernels.pack_weights, no copy)
-    allocate = kernels.packed_allocator(model) if tp is None and dtype is torch.float32 \
+    # float32 / bfloat16 CPU weights are read straight into the kernels' packed layout (kernels.pack_weights, no copy)
+    allocate = kernels.packed_allocator(model) if tp is None and dtype in kernels.PACKED \
         and torch.device(device).type == "cpu" else None
     # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
     report = loader.load(model, source, rules, dtype=dtype, device=device, check_finite=True, tp=tp,

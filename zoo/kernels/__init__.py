@@ -7,7 +7,8 @@ bandwidth when the weights stream from memory (each is used once per step, so no
 its sgemm reaches ~185 of this CPU's 233 GFLOP/s on a prefill, the register-tiled GEMM here ~200; a layer
 also costs a dozen small torch ops whose dispatch adds up over 30 layers. `cpu.cpp` has one kernel
 per layer op (see its comments for the layouts); bench/kernels.py measures them against torch. Also here:
-`argmax` (greedy sampling), `pack_weights` (the weights end to end in reading order, in huge pages) and
+`argmax` (greedy sampling), `pack_weights` (the float32 or bfloat16 weights end to end in reading order, in huge
+pages; `packed_allocator` has the loader read them there directly) and
 `huge_empty` (KV caches in huge pages); `zoo.kernels.fused` runs a whole Llama-structured step natively.
 
 Use from a layer:
@@ -262,7 +263,7 @@ def huge_empty(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[s
 
 
 def pack_weights(model: torch.nn.Module) -> int:
-    """Move the model's float32 CPU parameters into one buffer, in the order a forward pass reads them.
+    """Move the model's float32 and bfloat16 CPU parameters into one buffer, in the order a forward pass reads them.
 
     A decode step streams every weight once: matrices laid end to end in reading order stream faster
     than scattered ones (bench/kernels.py compares both), and the buffer asks for transparent huge pages
@@ -278,12 +279,12 @@ def pack_weights(model: torch.nn.Module) -> int:
     seen, first, last = set(), [], []
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
-            if id(p) in seen or p.dtype is not torch.float32 or not p.is_cpu:
+            if id(p) in seen or p.dtype not in PACKED or not p.is_cpu:
                 continue
             seen.add(id(p))
             (last if "embed" in name.rsplit(".", 1)[-1] else first).append(p)
     params = first + last
-    views, buf, nbytes = _arena([p.shape for p in params])
+    views, buf, nbytes = _arena([p.shape for p in params], [p.dtype for p in params])
     with torch.no_grad():
         for p, view in zip(params, views):
             view.copy_(p.data)
@@ -293,9 +294,14 @@ def pack_weights(model: torch.nn.Module) -> int:
     return nbytes
 
 
+# the dtypes whose weights are packed: float32, bfloat16 (fused.py's bfloat16 step streams them as they are) and a
+# quantised weight's bytes (uint8; packed_allocator only: pack_weights leaves other uint8 tensors alone)
+PACKED = (torch.float32, torch.bfloat16)
+
+
 def _arena(shapes: list, dtypes: list | None = None) -> tuple[list[torch.Tensor], object, int]:
-    """Uninitialised views of `shapes` (float32, or `dtypes`: float32 or uint8, a quantised weight's bytes), end to
-    end (each on a 64-byte line) in one huge-page buffer: (views, the buffer, its bytes)."""
+    """Uninitialised views of `shapes` (float32, or `dtypes`: float32, bfloat16 or uint8, a quantised weight's
+    bytes), end to end (each on a 64-byte line) in one huge-page buffer: (views, the buffer, its bytes)."""
     dtypes = dtypes or [torch.float32] * len(shapes)
     sizes = [(math.prod(s) * d.itemsize + 63) // 64 * 64 for s, d in zip(shapes, dtypes)]  # bytes
     if not sizes:
@@ -309,7 +315,7 @@ def _arena(shapes: list, dtypes: list | None = None) -> tuple[list[torch.Tensor]
 
 
 def packed_allocator(model: torch.nn.Module):
-    """An `allocate` for loader.load(model, ...) that lays the float32 parameters out as pack_weights would
+    """An `allocate` for loader.load(model, ...) that lays the float32 or bfloat16 parameters out as pack_weights would
     (module order of each parameter's owner, embedding tables last), so the loader reads every weight straight
     into the packed buffer and no second copy is made; the model is marked packed (pack_weights then does
     nothing). Call mark_packed(model, allocate) after a successful load."""
@@ -320,8 +326,8 @@ def packed_allocator(model: torch.nn.Module):
     held = {}
 
     def allocate(shapes: dict) -> dict[str, torch.Tensor]:
-        # float32 weights, and quantised ones (uint8 bytes): both stream once per decode step
-        names = [n for n, (_, dtype) in shapes.items() if dtype in (torch.float32, torch.uint8) and n in order]
+        # float32 or bfloat16 weights, and quantised ones (uint8 bytes): all stream once per decode step
+        names = [n for n, (_, dtype) in shapes.items() if dtype in (*PACKED, torch.uint8) and n in order]
         names.sort(key=order.__getitem__)  # module order, embeddings last
         views, held["buf"], held["bytes"] = _arena([shapes[n][0] for n in names], [shapes[n][1] for n in names])
         return dict(zip(names, views))
