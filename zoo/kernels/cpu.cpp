@@ -743,6 +743,98 @@ static inline void qdot_rows(const uint8_t* row, long K, const float* x, long ld
     }
 }
 
+// The blocks of 32 with one scale (Q4_0, Q4_1, Q8_0): the block's values widened to two v16 of floats in
+// registers (16 nibbles or int8 at a time: vpmovzxbd / vpmovsxbd + vcvtdq2ps), never written to memory; per
+// lane s = q[l] x[l] + q[16 + l] x[16 + l], then acc += scale s (A accumulators over alternate blocks, to
+// break the chain of fused multiply-adds when few rows of x share a block); the offset (Q4_1's minimum)
+// times x's sum per 32 as in qdot_rows. Float32 math on the dequantised values, in another order.
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+static inline u8x16 load16(const uint8_t* p) {
+    u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+// 16 bytes (int8 when SIGNED, else uint8) -> 16 floats, exactly: vpmovsxbd / vpmovzxbd + vcvtdq2ps (intrinsics:
+// GCC widened int8 vectors of __builtin_convertvector byte by byte)
+template <bool SIGNED>
+static inline v16 widen16(u8x16 q) {
+#if defined(__AVX512F__)
+    const __m128i v = (__m128i)q;
+    return (v16)_mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+#elif defined(__AVX2__)
+    const __m128i v = (__m128i)q, h = _mm_unpackhi_epi64(v, v);
+    const __m256 a = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+    const __m256 c = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+    v16 r;
+    memcpy(&r, &a, 32);
+    memcpy((char*)&r + 32, &c, 32);
+    return r;
+#else
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = SIGNED ? (float)(int8_t)q[i] : (float)q[i];
+    return r;
+#endif
+}
+
+template <int T>
+static inline void widen_block32(const uint8_t* b, v16& f0, v16& f1) {
+    if constexpr (T == Q8_0) {
+        f0 = widen16<true>(load16(b + 2));
+        f1 = widen16<true>(load16(b + 18));
+    } else {
+        const u8x16 qs = load16(b + (T == Q4_1 ? 4 : 2));
+        f0 = widen16<false>(qs & (uint8_t)0xF);
+        f1 = widen16<false>(qs >> 4);
+        if constexpr (T == Q4_0) f0 = f0 - splat(8.0f), f1 = f1 - splat(8.0f);  // (exact)
+    }
+}
+
+template <int T, int MB>
+static inline void qdot_rows32(const uint8_t* row, long K, const float* x, long ldx, const float* xs, long ldxs,
+                               float* y, long ldy, float bias) {
+    constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+    constexpr int A = MB <= 2 ? 2 : 1;
+    v16 acc[A][MB];
+    float off[MB];
+    for (int m = 0; m < MB; m++) {
+        off[m] = 0.0f;
+        for (int a = 0; a < A; a++) acc[a][m] = splat(0.0f);
+    }
+    const long nb = K / 32;
+    auto block = [&](long bi, v16* acc_a) {
+        const uint8_t* b = row + bi * BB;
+        v16 f0, f1;
+        widen_block32<T>(b, f0, f1);
+        const v16 sc = splat(half_to_float(b));
+        for (int m = 0; m < MB; m++) {
+            const float* xr = x + m * ldx + bi * 32;
+            acc_a[m] = fma16(sc, fma16(f1, load(xr + 16), f0 * load(xr)), acc_a[m]);
+        }
+        if constexpr (T == Q4_1) {
+            const float mn = half_to_float(b + 2);
+            for (int m = 0; m < MB; m++) off[m] = std::fma(mn, xs[m * ldxs + bi], off[m]);
+        }
+    };
+    long bi = 0;
+    for (; bi + A <= nb; bi += A)
+        for (int a = 0; a < A; a++) block(bi + a, acc[a]);
+    for (; bi < nb; bi++) block(bi, acc[0]);
+    for (int m = 0; m < MB; m++) {
+        v16 t = acc[0][m];
+        for (int a = 1; a < A; a++) t = t + acc[a][m];
+        y[m * ldy] = hsum(t) + off[m] + bias;
+    }
+}
+
+template <int T, int MB>
+static inline void qdot(const uint8_t* row, long K, const float* x, long ldx, const float* xs, long ldxs, float* y,
+                        long ldy, float bias) {
+    if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) qdot_rows32<T, MB>(row, K, x, ldx, xs, ldxs, y, ldy, bias);
+    else qdot_rows<T, MB>(row, K, x, ldx, xs, ldxs, y, ldy, bias);
+}
+
 template <int T>
 static void qlinear_few_t(const uint8_t* w, long n0, long n1, long K, const float* x, long M, long ldx,
                           const float* xs, long ldxs, const float* b, float* y, long ldy) {
@@ -751,11 +843,11 @@ static void qlinear_few_t(const uint8_t* w, long n0, long n1, long K, const floa
         const uint8_t* wr = w + n * rb;
         const float bias = b ? b[n] : 0.0f;
         long m = 0;
-        for (; m + 4 <= M; m += 4) qdot_rows<T, 4>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias);
+        for (; m + 4 <= M; m += 4) qdot<T, 4>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias);
         switch (M - m) {
-            case 1: qdot_rows<T, 1>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
-            case 2: qdot_rows<T, 2>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
-            case 3: qdot_rows<T, 3>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+            case 1: qdot<T, 1>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+            case 2: qdot<T, 2>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
+            case 3: qdot<T, 3>(wr, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, y + m * ldy + n, ldy, bias); break;
         }
     }
 }
