@@ -354,17 +354,16 @@ def test_fused_decoder_steps_aside_for_hooks(tmp_path):
         kernels.set_enabled(previous)
 
 
-def _mamba2_step(mixer, lens, computed, slots, num_slots, *, on: bool, states: bool = True):
-    """One Mamba2Mixer forward over requests of `lens` new tokens after `computed` ones, in state `slots`: the
-    kernel (on) or the torch reference -> (y [T, H], conv state [S, K-1, C], ssm state [S, h, p, N]). Slots of
-    requests without an initial state hold NaN: the result must not read them."""
+def _mixer_step(mixer, lens, computed, slots, num_slots, *, on: bool, states: bool = True):
+    """One Mamba mixer forward (hidden size 24) over requests of `lens` new tokens after `computed` ones, in state
+    `slots`: the kernels (on) or the torch reference -> (y [T, H], conv state [S, K-1, C], ssm state [S, ...]).
+    Slots of requests without an initial state hold NaN: the result must not read them."""
     t, qsl = sum(lens), [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(t, 24, generator=g)
-    conv = torch.randn(num_slots, mixer.conv1d.kernel_size - 1, mixer.conv_dim, generator=g)
-    ssm = torch.randn(num_slots, mixer.num_heads, mixer.head_dim, mixer.state_size, generator=g)
+    conv, ssm = (torch.randn(num_slots, *shape, generator=g) for _, shape, _ in mixer.cache_spec().tensors)
     for c, s in zip(computed, slots):
         if not c:
             conv[s], ssm[s] = float("nan"), float("nan")
@@ -398,13 +397,35 @@ def test_mamba2_mix_matches_the_torch_mixer(heads, head_dim, state, groups, limi
         p.copy_(torch.randn(p.shape) * 0.3)
     mixer.A_log.copy_(torch.rand(heads) * 2)
     lens, computed, slots = [1, 13, 20, 1, 2, 3], [7, 5, 0, 30, 0, 9], [3, 0, 5, 1, 2, 6]
-    want = _mamba2_step(mixer, lens, computed, slots, 7, on=False)
-    got = _mamba2_step(mixer, lens, computed, slots, 7, on=True)
-    twice(lambda: torch.cat([v.flatten() for v in _mamba2_step(mixer, lens, computed, slots, 7, on=True)]))
+    want = _mixer_step(mixer, lens, computed, slots, 7, on=False)
+    got = _mixer_step(mixer, lens, computed, slots, 7, on=True)
+    twice(lambda: torch.cat([v.flatten() for v in _mixer_step(mixer, lens, computed, slots, 7, on=True)]))
     for a, b, what in zip(got, want, ("output", "conv state", "ssm state")):
         torch.testing.assert_close(a[slots] if what != "output" else a, b[slots] if what != "output" else b,
                                    rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
-    whole = [_mamba2_step(mixer, [9, 3, 17], [0, 0, 0], [0, 1, 2], 3, on=on, states=False)[0] for on in (True, False)]
+    whole = [_mixer_step(mixer, [9, 3, 17], [0, 0, 0], [0, 1, 2], 3, on=on, states=False)[0] for on in (True, False)]
+    torch.testing.assert_close(*whole, rtol=1e-5, atol=1e-5)
+
+
+def test_mamba1_conv_and_scan_match_the_torch_mixer():
+    """kernels.causal_conv and kernels.selective_scan (through Jamba's MambaMixer) against its torch path on the
+    same ragged step (a state size that is not a multiple of 16), and whole prompts without states."""
+    from zoo.layers.mamba import MambaMixer
+
+    torch.manual_seed(0)
+    mixer = MambaMixer(hidden_size=24, intermediate_size=40, state_size=20, conv_kernel=4, dt_rank=3, norm_eps=1e-6,
+                       prefix="m")
+    for p in mixer.parameters():
+        p.copy_(torch.randn(p.shape) * 0.3)
+    lens, computed, slots = [1, 13, 20, 1, 2, 3], [7, 5, 0, 30, 0, 9], [3, 0, 5, 1, 2, 6]
+    want = _mixer_step(mixer, lens, computed, slots, 7, on=False)
+    got = twice(lambda: torch.cat([v.flatten() for v in _mixer_step(mixer, lens, computed, slots, 7, on=True)]))
+    got = got.split([v.numel() for v in want])
+    for a, b, what in zip(got, want, ("output", "conv state", "ssm state")):
+        a = a.view(b.shape)
+        torch.testing.assert_close(a[slots] if what != "output" else a, b[slots] if what != "output" else b,
+                                   rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    whole = [_mixer_step(mixer, [9, 3, 17], [0, 0, 0], [0, 1, 2], 3, on=on, states=False)[0] for on in (True, False)]
     torch.testing.assert_close(*whole, rtol=1e-5, atol=1e-5)
 
 

@@ -1,5 +1,5 @@
 """Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU,
-the Mamba2 mixer between its projections;
+the Mamba2 mixer between its projections, Mamba1's conv and selective scan;
 `linear` and `attention` also take bfloat16 weights / KV caches (read widened, float32 arithmetic: cpu.cpp's bf16).
 
 Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
@@ -70,6 +70,8 @@ _SIGNATURES = {
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
     "zoo_mamba2_mix": [_P, _L, _L, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P, _P, _L,
                        _P, _P, _I],
+    "zoo_causal_conv": [_P, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _L, _P, _I],
+    "zoo_selective_scan": [_P, _L, _P, _L, _P, _P, _L, _P, _L, _P, _P, _L, _L, _L, _P, _P, _P, _P, _L, _P, _I],
 }
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
@@ -553,23 +555,12 @@ def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, 
                    f"[{channels}, 1, K <= 17], conv_bias [{channels}], dt_bias / A_log / D [{h}], norm_weight "
                    f"[{inter}] and heads a multiple of n_groups", zx=zx.shape, conv_weight=conv_weight.shape,
                    dt_bias=dt_bias.shape, A_log=A_log.shape, D=D.shape, norm_weight=norm_weight.shape)
-    if states is not None:
-        s = conv_state.shape[0]
-        if (conv_state.shape != (s, k - 1, channels) or ssm_state.shape != (s, h, p, n)
-                or not conv_state.is_contiguous() or not ssm_state.is_contiguous()):
-            raise _bad("mamba2_mix", f"states must be contiguous conv [S, {k - 1}, {channels}] and ssm "
-                       f"[S, {h}, {p}, {n}]", conv=conv_state.shape, ssm=ssm_state.shape)
-        if any(not 0 <= v < s for v in slots) or len(set(slots)) != b:
-            raise ValueError(f"kernels.mamba2_mix: state slots {slots} must be distinct and in [0, {s})")
-    elif any(has_state):
-        raise ValueError("kernels.mamba2_mix: a request has an initial state but no states were given")
-    if len(starts) != b + 1 or len(has_state) != b or starts[0] != 0 or starts[-1] != t or any(
-            a > c for a, c in zip(starts, starts[1:])):
-        raise ValueError(f"kernels.mamba2_mix: starts {starts} must rise from 0 to the {t} rows, one more than "
-                         f"the {b} slots and has_state flags")
-    starts_t = torch.tensor(starts, dtype=torch.int64)
-    slots_t = torch.tensor(slots, dtype=torch.int64)
-    flags = torch.tensor(has_state, dtype=torch.int32)
+    if states is not None and (conv_state.shape != (conv_state.shape[0], k - 1, channels)
+                               or ssm_state.shape != (conv_state.shape[0], h, p, n)
+                               or not conv_state.is_contiguous() or not ssm_state.is_contiguous()):
+        raise _bad("mamba2_mix", f"states must be contiguous conv [S, {k - 1}, {channels}] and ssm "
+                   f"[S, {h}, {p}, {n}]", conv=conv_state.shape, ssm=ssm_state.shape)
+    starts_t, slots_t, flags = _requests("mamba2_mix", t, starts, slots, has_state, conv_state)
     xbc, y = torch.empty(t, channels), torch.empty(t, inter)
     lo, hi = time_step_limit
     params = [None if v is None else v.contiguous() for v in (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)]
@@ -577,3 +568,70 @@ def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, 
                         _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), b,
                         xbc.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def _requests(fn: str, t: int, starts: list[int], slots: list[int], has_state: list[bool], state) -> tuple:
+    """The recurrent kernels' per-request metadata as tensors (int64 starts [B+1] and slots [B], int32 flags [B]),
+    checked: starts rise from 0 to the t rows, slots distinct and inside state [S, ...] (or no initial states)."""
+    b = len(slots)
+    if state is not None:
+        if any(not 0 <= v < state.shape[0] for v in slots) or len(set(slots)) != b:
+            raise ValueError(f"kernels.{fn}: state slots {slots} must be distinct and in [0, {state.shape[0]})")
+    elif any(has_state):
+        raise ValueError(f"kernels.{fn}: a request has an initial state but no states were given")
+    if len(starts) != b + 1 or len(has_state) != b or starts[0] != 0 or starts[-1] != t or any(
+            a > c for a, c in zip(starts, starts[1:])):
+        raise ValueError(f"kernels.{fn}: starts {starts} must rise from 0 to the {t} rows, one more than "
+                         f"the {b} slots and has_state flags")
+    return (torch.tensor(starts, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(has_state, dtype=torch.int32))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor | None, *,
+                starts: list[int], slots: list[int], has_state: list[bool]) -> torch.Tensor:
+    """silu(causal depthwise conv + bias) of x [T, C] (unit last stride), weight [C, 1, K] -> [T, C]; request r's rows
+    starts[r]:starts[r + 1] continue the window in its slot slots[r] of conv_state [S, K-1, C] (read when
+    has_state[r]) and leave their last K - 1 inputs there; conv_state None: whole prompts from zeros."""
+    _float32("causal_conv", "x weight bias conv_state", x, weight, bias, conv_state)
+    t, c = x.shape if x.dim() == 2 else (0, 0)
+    k = weight.shape[-1]
+    if (x.dim() != 2 or x.stride(1) != 1 or weight.shape != (c, 1, k) or not 1 <= k <= 17
+            or (bias is not None and bias.shape != (c,))
+            or (conv_state is not None and (conv_state.shape[1:] != (k - 1, c) or not conv_state.is_contiguous()))):
+        raise _bad("causal_conv", "expected x [T, C] (unit last stride), weight [C, 1, K <= 17], bias [C] and a "
+                   "contiguous conv_state [S, K-1, C]", x=x.shape, weight=weight.shape,
+                   **({"conv_state": conv_state.shape} if conv_state is not None else {}))
+    starts_t, slots_t, flags = _requests("causal_conv", t, starts, slots, has_state, conv_state)
+    w, b = weight.contiguous(), None if bias is None else bias.contiguous()
+    out = torch.empty(t, c)
+    _lib.zoo_causal_conv(x.data_ptr(), x.stride(0), t, c, k, w.data_ptr(), _ptr(b), _ptr(conv_state),
+                         starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots), out.data_ptr(),
+                         torch.get_num_threads())
+    return out
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, z: torch.Tensor, ssm_state: torch.Tensor | None, *, starts: list[int],
+                   slots: list[int], has_state: list[bool]) -> torch.Tensor:
+    """Mamba1's scan with its D skip and gate: x, dt (after softplus), z [T, I], A [I, N], B and C [T, N], D [I]
+    (rows with unit last strides) -> (y + D x) silu(z) [T, I], where h = exp(dt A) h + dt B x and y = h C per
+    channel, token by token. Request r's rows starts[r]:starts[r + 1] continue the state in its slot slots[r] of
+    ssm_state [S, I, N] (read when has_state[r], written in place); ssm_state None: from zero, nothing kept."""
+    _float32("selective_scan", "x dt A B C D z ssm_state", x, dt, A, B, C, D, z, ssm_state)
+    t, i = x.shape if x.dim() == 2 else (0, 0)
+    n = A.shape[-1]
+    if (x.dim() != 2 or dt.shape != x.shape or z.shape != x.shape or A.shape != (i, n) or B.shape != (t, n)
+            or C.shape != (t, n) or B.stride() != C.stride() or D.shape != (i,)
+            or any(v.stride(-1) != 1 for v in (x, dt, z, B, C))
+            or (ssm_state is not None and (ssm_state.shape[1:] != (i, n) or not ssm_state.is_contiguous()))):
+        raise _bad("selective_scan", "expected x = dt = z [T, I], A [I, N], B = C [T, N] with one row stride, D [I] "
+                   "(unit last strides) and a contiguous ssm_state [S, I, N]", x=x.shape, dt=dt.shape, z=z.shape,
+                   A=A.shape, B=B.shape, C=C.shape, D=D.shape)
+    starts_t, slots_t, flags = _requests("selective_scan", t, starts, slots, has_state, ssm_state)
+    a, d = A.contiguous(), D.contiguous()
+    out = torch.empty(t, i)
+    _lib.zoo_selective_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), C.data_ptr(),
+                            B.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), d.data_ptr(), t, i, n,
+                            _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots),
+                            out.data_ptr(), torch.get_num_threads())
+    return out

@@ -14,8 +14,8 @@
 // most one chunk, where a fork-join barrier (OpenMP) waits for it at every kernel. Every output element is
 // computed by one thread in a fixed order: results do not depend on the thread count.
 //
-// Contents: Pool; linear (GEMV / GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; the Mamba2 mixer; argmax;
-// zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py).
+// Contents: Pool; linear (GEMV / GEMM); RMS norm; rotary; SiLU-and-mul; paged attention; Mamba2's mixer, Mamba1's
+// conv and scan; argmax; zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py).
 #include <unistd.h>
 
 #include <algorithm>
@@ -1512,12 +1512,12 @@ static inline void store_n(float* p, v16 v, long n) {
     memcpy(p, t, n * sizeof(float));
 }
 
-extern "C" void zoo_mamba2_mix(const float* zx, long T, long ldz, long H, long P, long N, long G, long K,
-                               const float* conv_w, const float* conv_b, const float* dt_bias, const float* A_log,
-                               const float* Dskip, const float* norm_w, float eps, float dt_min, float dt_max,
-                               float* conv_state, float* ssm_state, const int64_t* starts, const int64_t* slots,
-                               const int32_t* has_state, long B, float* xbc, float* y, int nt) {
-    const long I = H * P, C = I + 2 * G * N, blocks = (C + 15) / 16;
+// out [T, C] = silu(causal depthwise conv of x [T, C] (row stride ldx) + bias), each request's window continuing
+// from its slot of conv_state [S, K-1, C] (when has_state) and left there; work items (request, 16 channels)
+static void conv_silu(const float* x, long ldx, long T, long C, long K, const float* conv_w, const float* conv_b,
+                      float* conv_state, const int64_t* starts, const int64_t* slots, const int32_t* has_state,
+                      long B, float* out, int nt) {
+    const long blocks = (C + 15) / 16;
     std::vector<float> wt(K * C);  // the conv weight [C, K] as [K, C]: one vector load per tap
     for (long c = 0; c < C; c++)
         for (long k = 0; k < K; k++) wt[k * C + c] = conv_w[c * K + k];
@@ -1528,17 +1528,26 @@ extern "C" void zoo_mamba2_mix(const float* zx, long T, long ldz, long H, long P
         for (long k = 0; k < K - 1; k++) win[k] = prev && has_state[r] ? load_n(prev + k * C, n) : splat(0.0f);
         const v16 bias = conv_b ? load_n(conv_b + c, n) : splat(0.0f);
         for (long t = starts[r]; t < starts[r + 1]; t++) {
-            const v16 x = load_n(zx + t * ldz + I + c, n);
+            const v16 xt = load_n(x + t * ldx + c, n);
             v16 acc = bias;
             for (long k = 0; k < K - 1; k++) acc = acc + load_n(wt.data() + k * C + c, n) * win[k];
-            acc = acc + load_n(wt.data() + (K - 1) * C + c, n) * x;
-            store_n(xbc + t * C + c, act16<SILU>(acc), n);
+            acc = acc + load_n(wt.data() + (K - 1) * C + c, n) * xt;
+            store_n(out + t * C + c, act16<SILU>(acc), n);
             for (long k = 0; k + 1 < K - 1; k++) win[k] = win[k + 1];
-            if (K > 1) win[K - 2] = x;
+            if (K > 1) win[K - 2] = xt;
         }
         if (prev)
             for (long k = 0; k < K - 1; k++) store_n(prev + k * C, win[k], n);
     });
+}
+
+extern "C" void zoo_mamba2_mix(const float* zx, long T, long ldz, long H, long P, long N, long G, long K,
+                               const float* conv_w, const float* conv_b, const float* dt_bias, const float* A_log,
+                               const float* Dskip, const float* norm_w, float eps, float dt_min, float dt_max,
+                               float* conv_state, float* ssm_state, const int64_t* starts, const int64_t* slots,
+                               const int32_t* has_state, long B, float* xbc, float* y, int nt) {
+    const long I = H * P, C = I + 2 * G * N;
+    conv_silu(zx + I, ldz, T, C, K, conv_w, conv_b, conv_state, starts, slots, has_state, B, xbc, nt);
     parallel_for(B * H, 1, nt, [&](long item) {
         const long r = item / H, hd = item % H, grp = hd / (H / G);
         thread_local std::vector<float> scratch;
@@ -1591,6 +1600,48 @@ extern "C" void zoo_mamba2_mix(const float* zx, long T, long ldz, long H, long P
         }
         const float rs = 1.0f / std::sqrt(hsum(acc) / (float)gs + eps);
         for (long c = 0; c < gs; c++) yt[c] = norm_w[c0 + c] * (yt[c] * rs);
+    });
+}
+
+// Mamba1 (Jamba's mixer, zoo/layers/mamba.py): the conv alone (zoo_causal_conv: conv_silu above over x [T, C]),
+// then, after x_proj and dt_proj, zoo_selective_scan per (request, 16 channels), token by token: for channel i,
+// h = exp(dt A_i) h + (dt B) x  [N], y = C . h, out = (y + D x) silu(z). x, dt, z [T, I] and B, C [T, N] (row
+// strides ldx, ldd, ldz, ldbc), A [I, N]; the state h in place in ssm_state [S, I, N], read when has_state.
+
+extern "C" void zoo_causal_conv(const float* x, long ldx, long T, long C, long K, const float* conv_w,
+                                const float* conv_b, float* conv_state, const int64_t* starts, const int64_t* slots,
+                                const int32_t* has_state, long B, float* out, int nt) {
+    conv_silu(x, ldx, T, C, K, conv_w, conv_b, conv_state, starts, slots, has_state, B, out, nt);
+}
+
+extern "C" void zoo_selective_scan(const float* x, long ldx, const float* dt, long ldd, const float* Bm,
+                                   const float* Cm, long ldbc, const float* z, long ldz, const float* A,
+                                   const float* Dskip, long T, long I, long N, float* ssm_state, const int64_t* starts,
+                                   const int64_t* slots, const int32_t* has_state, long B, float* out, int nt) {
+    const long blocks = (I + 15) / 16;
+    parallel_for(B * blocks, 1, nt, [&](long item) {
+        const long r = item / blocks, i0 = item % blocks * 16, i1 = std::min(I, i0 + 16);
+        thread_local std::vector<float> scratch;
+        float* const h0 = ssm_state ? ssm_state + (slots[r] * I + i0) * N : room(scratch, 16 * N);
+        if (!ssm_state || !has_state[r]) std::fill(h0, h0 + (i1 - i0) * N, 0.0f);
+        for (long t = starts[r]; t < starts[r + 1]; t++) {
+            const float* Bt = Bm + t * ldbc;
+            const float* Ct = Cm + t * ldbc;
+            for (long i = i0; i < i1; i++) {
+                const float d = dt[t * ldd + i], xi = x[t * ldx + i];
+                float* h = h0 + (i - i0) * N;
+                v16 acc = splat(0.0f);
+                for (long k = 0; k < N; k += 16) {
+                    const long n = std::min(16L, N - k);
+                    const v16 hv = exp16(splat(d) * load_n(A + i * N + k, n)) * load_n(h + k, n) +
+                                   (splat(d) * load_n(Bt + k, n)) * splat(xi);
+                    store_n(h + k, hv, n);
+                    acc = fma16(load_n(Ct + k, n), hv, acc);  // zeros past n add nothing
+                }
+                const float zi = z[t * ldz + i];
+                out[t * I + i] = (hsum(acc) + xi * Dskip[i]) * (zi / (1.0f + std::exp(-zi)));
+            }
+        }
     });
 }
 

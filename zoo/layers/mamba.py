@@ -27,7 +27,8 @@ conv1d, norm, out_proj, x_proj, dt_proj, ...) so checkpoint keys and parity taps
 
 Fast path (float32, CPU, no autograd, no hook on the norm): Mamba2's conv, scan, D skip and gated norm run in one
 native call between the two projections (`zoo.kernels.mamba2_mix`: the recurrence token by token, which a split
-prefill computes exactly as a one-shot one); the torch code below is the reference. Mamba1 runs torch ops.
+prefill computes exactly as a one-shot one); Mamba1's conv and its scan with the D skip and gate run natively
+(`kernels.causal_conv`, `kernels.selective_scan`), x_proj / dt_proj between them. The torch code is the reference.
 """
 from __future__ import annotations
 
@@ -98,9 +99,17 @@ class RecurrentMixer(nn.Module):
             out.append(Segment(s, e, computed, batch.state_indices_cpu[i], has_state))
         return out
 
+    @staticmethod
+    def requests(segments: list[Segment], num_tokens: int) -> dict:
+        """The segments as the native kernels take them: row starts [B+1], state slots [B], has_state [B]."""
+        return dict(starts=[s.start for s in segments] + [num_tokens], slots=[s.slot for s in segments],
+                    has_state=[s.has_state for s in segments])
+
     def conv(self, x: torch.Tensor, segments: list[Segment], conv_state: torch.Tensor | None) -> torch.Tensor:
         """x [T, C] -> silu(causal conv) [T, C]; each request continues the window its slot carries."""
         w, b = self.conv1d.weight, self.conv1d.bias
+        if kernels.fast(x, w, *([] if conv_state is None else [conv_state])) and self.conv1d.kernel_size <= 17:
+            return kernels.causal_conv(x, w, b, conv_state, **self.requests(segments, x.shape[0]))  # [T, C]
         out = torch.empty_like(x)  # [T, C]
         decode = [s for s in segments if s.has_state and s.end - s.start == 1]
         if decode:  # one token per request: all in one call
@@ -155,8 +164,7 @@ class Mamba2Mixer(RecurrentMixer):
                 zx, heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size, n_groups=self.n_groups,
                 conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias, dt_bias=self.dt_bias, A_log=self.A_log,
                 D=self.D, norm_weight=self.norm.weight, eps=self.norm.eps, time_step_limit=self.time_step_limit,
-                states=states, starts=[s.start for s in segments] + [t], slots=[s.slot for s in segments],
-                has_state=[s.has_state for s in segments])  # [T, I]
+                states=states, **self.requests(segments, t))  # [T, I]
             return self.out_proj(y)  # [T, H]
         gate, xbc, dt = zx.split((inter, self.conv_dim, self.num_heads), -1)
         xbc = self.conv(xbc, segments, conv_state)  # [T, C]
@@ -237,6 +245,9 @@ class MambaMixer(RecurrentMixer):
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B).float(), self.c_layernorm(C).float()
         dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.float())  # [T, I], bias inside
         A = -torch.exp(self.A_log.float())  # [I, N]
+        if kernels.fast(x, dt, B, C, z, self.D, *([] if ssm_state is None else [ssm_state])):  # scan, D skip, gate
+            y = kernels.selective_scan(x, dt, A, B, C, self.D, z, ssm_state, **self.requests(segments, t))  # [T, I]
+            return self.out_proj(y)  # [T, H]
         xf = x.float()
         y = torch.empty_like(xf)  # [T, I]
         decode = [s for s in segments if s.has_state and s.end - s.start == 1]
