@@ -43,7 +43,10 @@ def test_linear_matches_torch(m, n, k):
         got = twice(lambda: kernels.linear(x, w, bias))
         exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         torch_err = (F.linear(x, w, bias) - exact).abs().max().item()
-        assert (got - exact).abs().max().item() <= 2 * torch_err + 1e-6, "less accurate than torch's sgemm"
+        # a sequential float32 sum's rounding grows like sqrt(k) eps sum|x w| (torch's blocked sgemm on AVX-512
+        # does better than that: 2x its error alone failed there with a correct kernel); a wrong index is O(1)
+        walk = k ** 0.5 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().t()).max().item()
+        assert (got - exact).abs().max().item() <= max(2 * torch_err, walk) + 1e-6, "less accurate than a float32 sum"
 
 
 def test_linear_takes_strided_rows_and_leading_dims():
