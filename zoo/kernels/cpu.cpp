@@ -745,9 +745,10 @@ static inline void qdot_rows(const uint8_t* row, long K, const float* x, long ld
 
 // The blocks of 32 with one scale (Q4_0, Q4_1, Q8_0): the block's values widened to two v16 of floats in
 // registers (16 nibbles or int8 at a time: vpmovzxbd / vpmovsxbd + vcvtdq2ps), never written to memory; per
-// lane s = q[l] x[l] + q[16 + l] x[16 + l], then acc += scale s (A accumulators over alternate blocks, to
-// break the chain of fused multiply-adds when few rows of x share a block); the offset (Q4_1's minimum)
-// times x's sum per 32 as in qdot_rows. Float32 math on the dequantised values, in another order.
+// lane s = q[l] x[l] + q[16 + l] x[16 + l], then acc += scale s (A accumulators, and A offset sums, over
+// blocks in turn: 4 for one row of x, 2 for two, to break the chains of fused multiply-adds that bound the
+// GEMV's speed otherwise); the offset (Q4_1's minimum) times x's sum per 32 as in qdot_rows. Float32 math on
+// the dequantised values, in another order.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 static inline u8x16 load16(const uint8_t* p) {
@@ -795,15 +796,13 @@ template <int T, int MB>
 static inline void qdot_rows32(const uint8_t* row, long K, const float* x, long ldx, const float* xs, long ldxs,
                                float* y, long ldy, float bias) {
     constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-    constexpr int A = MB <= 2 ? 2 : 1;
+    constexpr int A = MB == 1 ? 4 : MB == 2 ? 2 : 1;
     v16 acc[A][MB];
-    float off[MB];
-    for (int m = 0; m < MB; m++) {
-        off[m] = 0.0f;
-        for (int a = 0; a < A; a++) acc[a][m] = splat(0.0f);
-    }
+    float off[A][MB];
+    for (int m = 0; m < MB; m++)
+        for (int a = 0; a < A; a++) acc[a][m] = splat(0.0f), off[a][m] = 0.0f;
     const long nb = K / 32;
-    auto block = [&](long bi, v16* acc_a) {
+    auto block = [&](long bi, v16* acc_a, float* off_a) {
         const uint8_t* b = row + bi * BB;
         v16 f0, f1;
         widen_block32<T>(b, f0, f1);
@@ -814,17 +813,18 @@ static inline void qdot_rows32(const uint8_t* row, long K, const float* x, long 
         }
         if constexpr (T == Q4_1) {
             const float mn = half_to_float(b + 2);
-            for (int m = 0; m < MB; m++) off[m] = std::fma(mn, xs[m * ldxs + bi], off[m]);
+            for (int m = 0; m < MB; m++) off_a[m] = std::fma(mn, xs[m * ldxs + bi], off_a[m]);
         }
     };
     long bi = 0;
     for (; bi + A <= nb; bi += A)
-        for (int a = 0; a < A; a++) block(bi + a, acc[a]);
-    for (; bi < nb; bi++) block(bi, acc[0]);
+        for (int a = 0; a < A; a++) block(bi + a, acc[a], off[a]);
+    for (; bi < nb; bi++) block(bi, acc[0], off[0]);
     for (int m = 0; m < MB; m++) {
         v16 t = acc[0][m];
-        for (int a = 1; a < A; a++) t = t + acc[a][m];
-        y[m * ldy] = hsum(t) + off[m] + bias;
+        float o = off[0][m];
+        for (int a = 1; a < A; a++) t = t + acc[a][m], o = o + off[a][m];
+        y[m * ldy] = hsum(t) + o + bias;
     }
 }
 
