@@ -36,6 +36,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 8  # arrays of arrays, at most this deep
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 # GGUF name (after `blk.{i}.`) -> Hugging Face name (after `model.layers.{i}.`)
 LAYER_NAMES = {
@@ -126,10 +127,27 @@ class _Reader:
                                   f"bytes left in the file can hold")
         if item in SCALARS:
             self.skip(count * least, what)
+        elif item == STRING:  # (a vocabulary: 10^5 strings; one tight loop, the checks of string())
+            self._skip_strings(count, what)
         else:
             for _ in range(count):
                 self.value(item, what, depth + 1)
         return None
+
+    def _skip_strings(self, count: int, what: str) -> None:
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        try:
+            for _ in range(count):
+                if pos + 8 > end:
+                    raise SourceError([], f"{self.name}: truncated GGUF file: it ends inside {what}")
+                n = length(buf, pos)[0]
+                pos += 8
+                if n > end - pos:
+                    raise SourceError([], f"{self.name}: {what} claims a string of {n} bytes, more than the "
+                                          f"{end - pos} left in the file")
+                pos += n
+        finally:
+            self.pos = pos
 
 
 def check_header(path: Path, name: str | None = None) -> int:

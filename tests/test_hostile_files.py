@@ -313,6 +313,7 @@ GGUF_CASES = [
     (lambda: gguf_bytes(n_kv=1 << 60), ["1152921504606846976 metadata entries"]),
     (lambda: gguf_bytes(kv=[(b"general.name", 8, struct.pack("<Q", 1 << 50))]), ["general.name", "string of"]),
     (lambda: gguf_bytes(kv=[(b"x.list", 9, struct.pack("<IQ", 4, 1 << 50))]), ["x.list", "array items"]),
+    (lambda: gguf_bytes(kv=[(b"x.vocab", 9, struct.pack("<IQQ", 8, 2, 1 << 50))]), ["x.vocab", "string of"]),
     (lambda: gguf_bytes(tensors=[("output_norm.weight", [32], 9, bytes(36))]), ["output_norm.weight", "GGML type 9"]),
     (lambda: gguf_bytes(tensors=[("output_norm.weight", [1] * 5, 0, bytes(4))]), ["output_norm.weight", "5 dims"]),
     (lambda: gguf_bytes(kv=[(b"k", 4, bytes(4)), (b"k", 4, bytes(4))]), ["'k' appears twice"]),
@@ -320,7 +321,7 @@ GGUF_CASES = [
 for i, (fn, _) in enumerate(GGUF_CASES):
     fn.__name__ = ["gguf_empty", "gguf_bad_magic", "gguf_version_1", "gguf_version_99", "gguf_truncated_header",
                    "gguf_truncated_data", "gguf_huge_tensor_count", "gguf_huge_kv_count", "gguf_huge_string",
-                   "gguf_huge_array", "gguf_unsupported_quant", "gguf_too_many_dims", "gguf_duplicate_key"][i]
+                   "gguf_huge_array", "gguf_huge_string_in_array", "gguf_unsupported_quant", "gguf_too_many_dims", "gguf_duplicate_key"][i]
 
 
 # -- configs (exit 2; a config claiming more layers than the checkpoint holds: a finding, 1) -----------------
