@@ -17,6 +17,7 @@ dequantises.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -60,6 +61,13 @@ GGUF_RULES = Rules(ignores=(Ignore(r"^rope_freqs\.weight$", "llama.cpp's rope fr
                                                               "the model computes them from the config"),))
 
 
+# The types zoo runs (plain floats, the block types with kernels): their sizes without importing the gguf package
+# (~0.4 s); any other type is looked up in the gguf package's tables (supported_types).
+FLOAT_NAMES = {0: "F32", 1: "F16", 30: "BF16"}
+FAST_TYPES = {0: (1, 4), 1: (1, 2), 30: (1, 2), **{code: (t.block, t.block_bytes) for code, t in QUANT_TYPES.items()}}
+
+
+@functools.lru_cache(maxsize=None)
 def supported_types() -> dict[int, tuple[int, int]]:
     """GGML tensor type -> (block elements, block bytes) for the types GGUFSource can read (plain floats and
     the quantisations the gguf package dequantises)."""
@@ -195,7 +203,6 @@ def _check(r: _Reader, size: int, keep: bool = False) -> tuple[dict, list[tuple[
             if kind != 4 or not v or v & (v - 1):
                 raise SourceError([], f"{name}: metadata general.alignment must be a uint32 power of two")
             alignment = v
-    types = supported_types()
     tensors, names = [], set()
     for i in range(n_tensors):
         t = r.unique(names, f"the name of tensor {i}", "tensor")
@@ -204,10 +211,11 @@ def _check(r: _Reader, size: int, keep: bool = False) -> tuple[dict, list[tuple[
             raise SourceError([], f"{name}: tensor {_say(t)} has {n_dims} dims (GGUF allows at most {MAX_DIMS})")
         dims = [r.unpack("<Q", f"tensor {_say(t)}") for _ in range(n_dims)]
         kind, offset = r.unpack("<I", f"tensor {_say(t)}"), r.unpack("<Q", f"tensor {_say(t)}")
-        if kind not in types:
+        sizes = FAST_TYPES.get(kind) or supported_types().get(kind)
+        if sizes is None:
             raise SourceError([], f"{name}: tensor {_say(t)} has GGML type {kind}, which the loader cannot read "
-                                  f"(readable: {', '.join(_type_name(k) for k in sorted(types))})")
-        block, block_bytes = types[kind]
+                                  f"(readable: {', '.join(_type_name(k) for k in sorted(supported_types()))})")
+        block, block_bytes = sizes
         n = math.prod(dims)
         if dims and dims[0] % block:
             raise SourceError([], f"{name}: tensor {_say(t)} has {dims[0]} elements per row, not a multiple of its "
@@ -230,6 +238,8 @@ def _check(r: _Reader, size: int, keep: bool = False) -> tuple[dict, list[tuple[
 
 
 def _type_name(kind: int) -> str:
+    if kind in FLOAT_NAMES or kind in QUANT_TYPES:
+        return FLOAT_NAMES.get(kind) or QUANT_TYPES[kind].name
     import gguf
 
     try:
@@ -261,11 +271,8 @@ class GGUFSource(Source):
     kind = "gguf"
 
     def __init__(self, path: Path, *, quantized: bool = False):
-        import gguf  # only here (and for the type table): the rest of the loader does not need it
-
         super().__init__(path.parent, [path])
         self.quantized = quantized  # block-quantised tensors kept as blocks (loader/quant.py)
-        self._gguf = gguf
         self.rules = GGUF_RULES
         fd = _open_regular(Path(path), path.name)
         try:
@@ -282,8 +289,7 @@ class GGUFSource(Source):
         self.n_heads = self.metadata.get(f"{arch}.attention.head_count")
         self.n_kv_heads = self.metadata.get(f"{arch}.attention.head_count_kv", self.n_heads)
         self._tensors = {}  # HF key -> (GGUF name, GGML type, absolute offset)
-        float_types = {int(gguf.GGMLQuantizationType.F16): torch.float16,
-                       int(gguf.GGMLQuantizationType.BF16): torch.bfloat16}
+        float_types = {1: torch.float16, 30: torch.bfloat16}  # (GGML F16, BF16)
         for t, dims, kind, offset in tensors:
             key = hf_name(t, self.architecture)
             if key in self._infos:
@@ -379,18 +385,20 @@ class GGUFSource(Source):
     def _get(self, key: str, info: TensorInfo, t) -> torch.Tensor:
         import numpy as np
 
-        q = self._gguf.GGMLQuantizationType
         gguf_name, kind, offset = t
         shape = info.shape or (1,)
-        if kind in (q.F32, q.F16, q.BF16):  # a copy out of the read-only mapping, in the file's dtype
-            word = {q.F32: np.float32, q.F16: np.float16, q.BF16: np.uint16}[kind]
+        if kind in FLOAT_NAMES:  # a copy out of the read-only mapping, in the file's dtype
+            word = {0: np.float32, 1: np.float16, 30: np.uint16}[kind]
             data = np.frombuffer(self._buf, dtype=word, count=math.prod(shape), offset=offset).copy()
             out = torch.from_numpy(data)
-            out = out.view(torch.bfloat16) if kind == q.BF16 else out  # bfloat16: stored as raw 16-bit words
+            out = out.view(torch.bfloat16) if kind == 30 else out  # bfloat16: stored as raw 16-bit words
         else:
-            byte_shape = self._gguf.quants.quant_shape_to_byte_shape(shape, q(kind))
+            import gguf  # (only to dequantise: the rest of the loader does not need it)
+
+            q = gguf.GGMLQuantizationType
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, q(kind))
             data = np.frombuffer(self._buf, dtype=np.uint8, count=math.prod(byte_shape), offset=offset)
-            out = torch.from_numpy(self._gguf.quants.dequantize(data.reshape(byte_shape), q(kind)))
+            out = torch.from_numpy(gguf.quants.dequantize(data.reshape(byte_shape), q(kind)))
         self._release(offset, data.nbytes)
         out = out.reshape(info.shape)
         if self.architecture in NORM_SHIFTED_ARCHS and "norm.weight" in gguf_name:
