@@ -9,6 +9,7 @@ import pytest
 
 from zoo.default_model import default_model_path
 from zoo.runtime import model_files as mf
+from zoo.runtime.light_tokenizer import LightTokenizer
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -83,14 +84,53 @@ def test_cached_config_and_tokenizer_equal_what_transformers_builds_from_the_ggu
 
     tok = mf.load_tokenizer(files)
     ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    assert type(tok) is type(ref_tok)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    ids = tok.apply_chat_template(chat, add_generation_prompt=True)
-    assert ids == ref_tok.apply_chat_template(chat, add_generation_prompt=True)
-    assert tok(QUESTION)["input_ids"] == ref_tok(QUESTION)["input_ids"]
-    assert (tok.eos_token_id, tok.bos_token_id, tok.all_special_ids) == \
-        (ref_tok.eos_token_id, ref_tok.bos_token_id, ref_tok.all_special_ids)
-    assert tok.decode(ids) == ref_tok.decode(ids)
+    assert isinstance(tok, LightTokenizer) and tok._full is None, "the conversion proved it: no transformers tokenizer"
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+             [{"role": "user", "content": QUESTION}],  # (SmolLM2's template adds its default system message)
+             [{"role": "user", "content": "Hi", "name": None}, {"role": "assistant", "content": "Hello! 🙂"},
+              {"role": "user", "content": "a <|im_end|> inside\n\tand  spaces"}]]
+    for chat in chats:
+        for gen in (True, False):
+            assert tok.apply_chat_template(chat, add_generation_prompt=gen) == \
+                ref_tok.apply_chat_template(chat, add_generation_prompt=gen)
+            assert tok.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == \
+                ref_tok.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+    ids = tok.apply_chat_template(chats[0], add_generation_prompt=True)["input_ids"]
+    for text in (QUESTION, " leading space", "naïve café 東京\n\n", "<|im_start|>user", ""):
+        assert tok(text)["input_ids"] == ref_tok(text)["input_ids"] == tok.encode(text) == ref_tok.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == ref_tok.encode(text, add_special_tokens=False)
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "eos_token", "bos_token",
+                 "all_special_ids", "all_special_tokens", "special_tokens_map", "chat_template"):
+        assert getattr(tok, name) == getattr(ref_tok, name), name
+    for skip in (False, True):
+        assert tok.decode(ids, skip_special_tokens=skip) == ref_tok.decode(ids, skip_special_tokens=skip)
+    assert tok.convert_ids_to_tokens(ids) == ref_tok.convert_ids_to_tokens(ids)
+    assert tok.convert_ids_to_tokens(ids[0]) == ref_tok.convert_ids_to_tokens(ids[0])
+    assert tok._full is None
+    # anything else is transformers' own tokenizer of the entry, built on first use
+    assert tok.vocab_size == ref_tok.vocab_size and tok.get_vocab() == ref_tok.get_vocab() and tok._full is not None
+    tok.chat_template = "{{ messages[0]['content'] }}!"
+    assert tok._full.chat_template == tok.chat_template  # (--chat-template sets it: both see it)
+    assert tok.apply_chat_template(chats[0], tokenize=False) == "Be brief.!" == \
+        tok._full.apply_chat_template(chats[0], tokenize=False)
+
+
+def test_a_manifest_without_a_usable_light_section_loads_transformers_tokenizer(gguf):
+    files = mf.resolve_model(gguf)
+    entry, manifest = mf._gguf_cache(files)
+    assert LightTokenizer.from_manifest(entry, manifest["light"]) is not None
+    for light in (None, {**manifest["light"], "ids": []}, {**manifest["light"], "class": 3}, "x"):
+        assert LightTokenizer.from_manifest(entry, light) is None
+    from transformers import TokenizersBackend
+
+    broken = {**manifest, "light": {**manifest["light"], "all_special_ids": "0"}}
+    (entry / mf.MANIFEST).write_text(__import__("json").dumps(broken))
+    try:
+        tok = mf.load_tokenizer(files)
+        assert type(tok) is TokenizersBackend and tok.encode(QUESTION) == mf.load_tokenizer(files).encode(QUESTION)
+    finally:
+        (entry / mf.MANIFEST).write_text(__import__("json").dumps(manifest))
+    assert isinstance(mf.load_tokenizer(files), LightTokenizer)
 
 
 def test_an_unwritable_cache_converts_every_time(gguf, tmp_path, monkeypatch):

@@ -10,7 +10,9 @@ A GGUF file carries its config and tokenizer as metadata; transformers converts 
 have written: an entry is used only when its manifest parses, names this key and every file's hash
 matches; otherwise it is converted again (never trusted, never unpickled). A start with a valid entry reads
 the config from the manifest without transformers' config classes (load_config(light=True): their import
-pulls in torch.distributed, seconds) and the tokenizer with its own class (not AutoTokenizer's config walk).
+pulls in torch.distributed, seconds) and the tokenizer without transformers when the conversion proved that
+equal (the manifest's `light` section, zoo/runtime/light_tokenizer.py), else with its own class (not AutoTokenizer's
+config walk).
 
 The files are untrusted: the ones transformers reads from a directory (config, tokenizer) must be regular files
 inside it, a GGUF header is checked by the loader before transformers parses it, and a config is validated
@@ -184,7 +186,7 @@ def _from_hub(repo_id: str, revision: str | None = None, *, weights: bool = True
 
 
 # -- config, generation config, tokenizer --------------------------------------------------------------
-CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+CACHE_FORMAT = 2  # bump when what a cache entry holds changes (2: the manifest's `light` tokenizer section)
 MANIFEST = "zoo-cache.json"
 FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # classes loadable without AutoTokenizer
 
@@ -262,7 +264,8 @@ def _gguf_cache(files: ModelFiles) -> tuple[Path, dict] | None:
         config.save_pretrained(tmp)
         transformers.AutoTokenizer.from_pretrained(files.directory, **kw).save_pretrained(tmp)
         manifest = {"format": CACHE_FORMAT, "key": key, "source": str(files.path), "config": config.to_dict(),
-                    "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if plain_cache_name(f.name)}}
+                    "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if plain_cache_name(f.name)},
+                    "light": _light_proof(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -277,6 +280,15 @@ def _gguf_cache(files: ModelFiles) -> tuple[Path, dict] | None:
         if manifest is None:
             return None
     return out, manifest
+
+
+def _light_proof(entry: Path) -> dict | None:
+    """The manifest's `light` section: what a start needs to read the entry's tokenizer without transformers,
+    when its conversion proved that equal (zoo.runtime.light_tokenizer.proof), else None."""
+    from zoo.runtime.light_tokenizer import proof
+
+    ref = _cached_tokenizer(entry)  # (what a start without the section loads)
+    return proof(entry, ref) if ref is not None else None
 
 
 class CachedConfig:
@@ -445,11 +457,16 @@ def _short(v) -> str:
 
 def load_tokenizer(files: ModelFiles):
     """The transformers tokenizer of the model, or None when the directory has none."""
+    if files.is_gguf:
+        cached = _gguf_cache(files)
+        if cached is not None:  # the converted cache (valid: its hashes matched)
+            from zoo.runtime.light_tokenizer import LightTokenizer
+
+            tok = LightTokenizer.from_manifest(cached[0], cached[1].get("light"))  # (proved equal: no transformers)
+            tok = tok if tok is not None else _cached_tokenizer(cached[0])  # else its own class, directly
+            if tok is not None:
+                return tok
     directory, kw = _source_dir(files)
-    if files.is_gguf and not kw:  # the converted cache (valid: its hashes matched): its own class, directly
-        tok = _cached_tokenizer(directory)
-        if tok is not None:
-            return tok
     from transformers import AutoTokenizer
 
     if not kw and not any((directory / f).exists() for f in TOKENIZER_FILES):
