@@ -6,6 +6,8 @@ float32, greedy, 2 torch threads. Both run in this one process, on the same prom
                                     # vs transformers, see bench/generate_multimodal.py
     python bench/generate.py --moe [bench/generate_moe.py's options]   # the MoE case: a random-weight
                                     # Mixtral (8 experts, top-2) vs transformers, see bench/generate_moe.py
+    python bench/generate.py --mla [bench/generate_mla.py's options]   # the MLA case: a random-weight
+                                    # DeepSeek-V3 (latent attention, MoE) vs transformers, see bench/generate_mla.py
     python bench/generate.py --hybrid [bench/generate_hybrid.py's options]   # a random-weight Bamba (~116M)
 
 (1) ragged batch: R requests, prompts of 16..256 tokens, N new tokens each (EOS ignored): zoo (continuous
@@ -165,6 +167,11 @@ def main(argv=None) -> int:
         import generate_moe
 
         return generate_moe.main([a for a in argv if a != "--moe"])
+    if "--mla" in argv:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import generate_mla
+
+        return generate_mla.main([a for a in argv if a != "--mla"])
     if "--hybrid" in argv:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import generate_hybrid

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from batching import allocate_kv, make_batch, run_step
+from kernel_paths import ops  # noqa: F401
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny import load_reference, tiny_config
@@ -193,6 +194,25 @@ def test_decode_steps_through_paged_cache_match_transformers(case):
     layers = len(mla_layers(model))
     # step 0: 3 prefills; step 1: 2 decodes + 1 chunk; steps 2..6: 3 decodes each
     assert path_counts(model) == {"expand": 4 * layers, "absorbed": 17 * layers}
+
+
+def test_native_absorbed_decode_matches_transformers(case, ops, monkeypatch):
+    """The decode schedule with the kernels on (every one-token request's absorbed attention in one
+    kernels.mla_decode call per layer) and off (the torch einsums), each against transformers."""
+    from zoo import kernels
+
+    name, _, ref, model = case
+    calls = []
+    native = kernels.mla_decode
+    monkeypatch.setattr(kernels, "mla_decode", lambda *a, **kw: (calls.append(len(a[5])), native(*a, **kw))[1])
+    full, steps = schedule(seed=5)
+    outs = run_schedule(model, steps)
+    want = [ref_logits(ref, s) for s in full]
+    for k, (step, got) in enumerate(zip(steps, outs)):
+        rows = torch.cat([want[i][computed:len(tokens)] for i, (tokens, computed) in enumerate(step)])
+        assert_close(got, rows, f"{name} step {k} ({ops})")
+    layers = len(mla_layers(model))
+    assert sum(calls) == (17 * layers if ops == "kernels" else 0), calls
 
 
 def test_expanded_and_absorbed_paths_agree(case):

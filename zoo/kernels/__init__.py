@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,6 +63,8 @@ _SIGNATURES = {
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_gelu_tanh_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_argmax": [_P, _L, _L, _L, _P, _I],
+    "zoo_moe_experts": [_P, _L, _L, _P, _P, _L, _P, _P, _L, _L, _I, _P, _I],
+    "zoo_mla_decode": [_P, _L, _L, _P, _L, _L, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _P, _P, _P, _L, _F, _P, _I],
     "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
                           _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I, _P, _P],
     "zoo_qlinear": [_P, _L, _L, _P, _P, _P, _L, _I],
@@ -77,6 +80,7 @@ _SIGNATURES = {
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
 _RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
+             "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
@@ -122,7 +126,7 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     x2 = _rows(x)
     y = torch.empty(m, n)
     _lib.zoo_qlinear(x2.data_ptr(), m, x2.stride(0), ctypes.addressof(q), _ptr(bias), y.data_ptr(), n,
-                     torch.get_num_threads())
+                     threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -136,13 +140,41 @@ def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if q is None or not enabled() or torch.is_grad_enabled():  # the reference: the rows, dequantised
         return weight.quant.dequantize(weight, flat).view(*ids.shape, h)
     out = torch.empty(flat.numel(), h)
-    _lib.zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), torch.get_num_threads())
+    _lib.zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), threads())
     return out.view(*ids.shape, h)
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of a block-quantised parameter, by the gguf package's dequantiser (the reference)."""
     return weight.quant.dequantize(weight)
+
+
+_native_threads = 0  # inside serial_torch(): the thread count the native kernels keep
+
+
+def threads() -> int:
+    """The threads a native kernel runs on: torch's count, or inside serial_torch() the count torch had."""
+    return _native_threads or torch.get_num_threads()
+
+
+@contextmanager
+def serial_torch():
+    """Torch's ops on one thread, the native kernels on the threads torch had (threads()). A module's small torch
+    ops (views, gathers, a softmax over a few experts) are microseconds of work each, but an OpenMP region of 2
+    threads waits for both to be scheduled: on a loaded 2-core machine that wait measured ~30-100 ms per op, most
+    of a decode step; the native kernels' pool never waits for a thread that has not started (cpu.cpp's Pool)."""
+    global _native_threads
+    n = torch.get_num_threads()
+    if n == 1 or _native_threads:
+        yield
+        return
+    torch.set_num_threads(1)
+    _native_threads = n
+    try:
+        yield
+    finally:
+        _native_threads = 0
+        torch.set_num_threads(n)
 
 
 def enabled() -> bool:
@@ -386,7 +418,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = _rows(x)
     y = torch.empty(m, n)
     (_lib.zoo_linear_bf16 if bf16 else _lib.zoo_linear)(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k,
-                                                         _ptr(bias), y.data_ptr(), n, torch.get_num_threads())
+                                                         _ptr(bias), y.data_ptr(), n, threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -399,7 +431,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool =
     rows, d = x2.shape
     out = torch.empty(rows, d)
     _lib.zoo_rms_norm(x2.data_ptr(), rows, d, x2.stride(0), weight.contiguous().data_ptr(), eps, int(gemma),
-                      out.data_ptr(), torch.get_num_threads())
+                      out.data_ptr(), threads())
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -425,7 +457,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
     q_out, k_out = torch.empty(t, n, d), torch.empty(t, m, d)
     bad = _lib.zoo_rope(q.data_ptr(), q.stride(0), q.stride(1), n, q_out.data_ptr(),
                         k.data_ptr(), k.stride(0), k.stride(1), m, k_out.data_ptr(), t, d, positions.data_ptr(),
-                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], torch.get_num_threads())
+                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], threads())
     if bad >= 0:
         raise IndexError(f"rotary: token {bad} has position {int(positions[bad])}, outside the cos/sin table "
                          f"of {cos.shape[0]} positions")
@@ -449,8 +481,67 @@ def _act_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
     g = _rows(gate_up)
     rows, i = g.shape[0], g.shape[1] // 2
     out = torch.empty(rows, i)
-    fn(g.data_ptr(), rows, i, g.stride(0), out.data_ptr(), torch.get_num_threads())
+    fn(g.data_ptr(), rows, i, g.stride(0), out.data_ptr(), threads())
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], i)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, kind: str) -> torch.Tensor:
+    """The routed experts of a MoE block in one call: x [T, H], topk_ids / topk_weights [T, K], gate_up [E, 2I, H]
+    (gate rows, then up rows), down [E, H, I], kind "silu" or "gelu_tanh" -> [T, H] = per token the sum over its
+    experts e (ascending id) of weight * down_e(act(gate_e x) * up_e x), as zoo.layers.moe.StackedExperts."""
+    _float32("moe_experts", "x topk_weights gate_up down", x, topk_weights, gate_up, down)
+    if (x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]
+            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] != x.shape[1]
+            or down.shape != (gate_up.shape[0], x.shape[1], gate_up.shape[1] // 2) or gate_up.shape[1] % 2
+            or not 0 < topk_ids.shape[1] <= 64 or topk_ids.is_floating_point()):
+        raise _bad("moe_experts", "expected x [T, H], integer topk_ids = topk_weights [T, K] (K <= 64), gate_up "
+                   "[E, 2I, H], down [E, H, I]", x=x.shape, topk_ids=topk_ids.shape, topk_weights=topk_weights.shape,
+                   gate_up=gate_up.shape, down=down.shape)
+    e, t = gate_up.shape[0], x.shape[0]
+    ids = _int(topk_ids, torch.int64)
+    if t and (int(ids.min()) < 0 or int(ids.max()) >= e):
+        raise IndexError(f"moe_experts: expert ids must lie in [0, {e}), got {int(ids.min())}..{int(ids.max())}")
+    x, wts = x.contiguous(), topk_weights.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    out = torch.empty(t, x.shape[1])
+    if t:
+        _lib.zoo_moe_experts(x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1],
+                             gate_up.data_ptr(), down.data_ptr(), e, down.shape[2], 1 if kind == "gelu_tanh" else 0,
+                             out.data_ptr(), threads())
+    return out
+
+
+def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, kv_b: torch.Tensor,
+               block_tables: torch.Tensor, toks: list[int], reqs: list[int], lens: list[int], *, v_dim: int,
+               scale: float, out: torch.Tensor) -> None:
+    """MLA's absorbed decode (zoo.layers.mla) for one-token requests: q_nope [T, NH, DN], rotated q_rope [T, NH,
+    DR] (unit last strides), the latent cache [NB, BS, R + DR] (the new rows written), kv_b = kv_b_proj.weight
+    [NH (DN + DV), R], block_tables [B, M]; request i's token toks[i], row reqs[i] of the tables, lens[i] context
+    tokens. Writes out[toks[i]] ([T, NH, DV], contiguous): softmax(scale (W_UK^T q_nope . c + q_rope . k_rope))
+    times the latents c, through W_UV."""
+    _float32("mla_decode", "q_nope q_rope cache kv_b out", q_nope, q_rope, cache, kv_b, out)
+    t, nh, dn = q_nope.shape
+    dr, r = q_rope.shape[-1], kv_b.shape[-1]
+    if (q_rope.shape[:2] != (t, nh) or cache.dim() != 3 or cache.shape[2] != r + dr or not cache.is_contiguous()
+            or kv_b.shape != (nh * (dn + v_dim), r) or out.shape != (t, nh, v_dim) or not out.is_contiguous()
+            or q_nope.stride(2) != 1 or q_rope.stride(2) != 1 or not len(toks) == len(reqs) == len(lens)):
+        raise _bad("mla_decode", "expected q_nope [T, NH, DN], q_rope [T, NH, DR], cache [NB, BS, R + DR], "
+                   "kv_b [NH (DN + DV), R], out [T, NH, DV]", q_nope=q_nope.shape, q_rope=q_rope.shape,
+                   cache=cache.shape, kv_b=kv_b.shape, out=out.shape)
+    if any(not 0 <= i < t for i in toks) or any(not 0 <= i < block_tables.shape[0] for i in reqs):
+        raise ValueError(f"mla_decode: token rows {toks} / table rows {reqs} outside the step's {t} tokens / "
+                         f"{block_tables.shape[0]} requests")
+    kv_b, tables = kv_b.contiguous(), _int(block_tables, torch.int32)
+    toks_t, reqs_t, lens_t = (torch.tensor(v, dtype=torch.int64) for v in (toks, reqs, lens))
+    bad = _lib.zoo_mla_decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(),
+                              q_rope.stride(0), q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim,
+                              cache.data_ptr(), cache.shape[0], cache.shape[1], tables.data_ptr(), tables.shape[1],
+                              toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks), scale,
+                              out.data_ptr(), threads())
+    if bad:
+        raise ValueError(f"mla_decode: batch.{_BATCH_FIELDS[bad]} is inconsistent with the cache of shape "
+                         f"{tuple(cache.shape)} (context lengths {lens})")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -460,7 +551,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         raise _bad("argmax", "x must be [N, V] with V >= 1", x=x.shape)
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    _lib.zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads())
     return out
 
 
@@ -524,7 +615,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     bad = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
              v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), t, h, kvh, d, *cache_args,
              qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
-             sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+             sliding_window or 0, softcap or 0.0, threads())
     if bad:
         shape = tuple(kv_cache.shape) if kv_cache is not None else None
         raise ValueError(f"attention: batch.{_BATCH_FIELDS[bad]} is inconsistent with the step's {t} tokens, "

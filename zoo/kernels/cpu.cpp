@@ -1096,6 +1096,172 @@ static void act_mul(int act, const float* gu, long T, long I, long ld, float* ou
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Mixture-of-experts (zoo/layers/moe.py's StackedExperts, one call per layer): out [T, Hd] = for each token t,
+// the sum over its K experts e of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), w13 [E, 2I, Hd] (gate rows,
+// then up rows), w2 [E, Hd, I]. The T K assignments are grouped by expert (token order kept within an expert,
+// as a stable sort of ids); each expert's rows take the path their count picks (GEMV for <= 4 rows, panels
+// for more: a row's result never depends on the other rows), and the experts on the GEMV path run as one
+// GEMV over all their rows (one pass, the threads splitting every expert's rows, not one region per expert).
+// The combine: out[t] = y_0 w_0 + y_1 w_1 + ..., the token's experts in ascending id (moe.py's
+// combine_in_expert_order, the same roundings). ids must lie in [0, E) (the caller checks).
+
+struct ExpertGroup { long e, start, n; };
+
+// y [A, N] rows g.start .. of each group = x's rows times w_e^T (w [E, N, K]), for groups of <= 4 rows
+template <typename W>
+static void grouped_gemv(const std::vector<ExpertGroup>& groups, const float* x, long ldx, const W* w, long N,
+                         long K, float* y, long ldy, int nt) {
+    const long total = (long)groups.size() * N;
+    if (total == 0) return;
+    const int threads = total * K >= 65536 ? nt : 1;
+    paired_ranges(total, 16, threads, [&](long b, long e) {
+        for (long i = b; i < e;) {
+            const ExpertGroup& g = groups[i / N];
+            const long n0 = i % N, n1 = std::min(N, n0 + (e - i));
+            linear_few(x + g.start * ldx, g.n, ldx, w + g.e * N * K, n0, n1, K, nullptr, y + g.start * ldy, ldy);
+            i += n1 - n0;
+        }
+    });
+}
+
+template <typename W>
+static void moe_experts(const float* x, long T, long Hd, const int64_t* ids, const float* wts, long K,
+                        const W* w13, const W* w2, long E, long I, int act, float* out, int nt) {
+    const long A = T * K;
+    static thread_local std::vector<long> order_store, count_store, pos_store;
+    static thread_local std::vector<float> xs_store, gu_store, a_store, ys_store;
+    long* counts = room(count_store, E + 1);
+    long* order = room(order_store, A);  // sorted position -> assignment
+    long* pos = room(pos_store, A);      // assignment -> sorted position
+    std::fill(counts, counts + E + 1, 0L);
+    for (long i = 0; i < A; i++) counts[ids[i] + 1]++;
+    for (long e = 0; e < E; e++) counts[e + 1] += counts[e];  // offsets
+    std::vector<long> fill(counts, counts + E);
+    for (long i = 0; i < A; i++) order[pos[i] = fill[ids[i]]++] = i;
+    float* xs = room(xs_store, A * Hd);
+    float* gu = room(gu_store, A * 2 * I);
+    float* a = room(a_store, A * I);
+    float* ys = room(ys_store, A * Hd);
+    for (long r = 0; r < A; r++) memcpy(xs + r * Hd, x + order[r] / K * Hd, Hd * sizeof(float));
+    std::vector<ExpertGroup> few, many;
+    for (long e = 0; e < E; e++) {
+        const long n = counts[e + 1] - counts[e];
+        if (n) (n <= 4 ? few : many).push_back({e, counts[e], n});
+    }
+    grouped_gemv(few, xs, Hd, w13, 2 * I, Hd, gu, 2 * I, nt);
+    for (const ExpertGroup& g : many)
+        linear(xs + g.start * Hd, g.n, Hd, w13 + g.e * 2 * I * Hd, 2 * I, Hd, (const float*)nullptr,
+               gu + g.start * 2 * I, 2 * I, nt, g.n);
+    act_mul(act, gu, A, I, 2 * I, a, nt);
+    grouped_gemv(few, a, I, w2, Hd, I, ys, Hd, nt);
+    for (const ExpertGroup& g : many)
+        linear(a + g.start * I, g.n, I, w2 + g.e * Hd * I, Hd, I, (const float*)nullptr, ys + g.start * Hd, Hd, nt,
+               g.n);
+    parallel_for(T, 4, T * Hd * K >= 65536 ? nt : 1, [&](long t) {
+        long rows[64];
+        const long k = std::min(K, 64L);
+        for (long j = 0; j < k; j++) rows[j] = pos[t * K + j];
+        std::sort(rows, rows + k);  // sorted positions ascend with the expert id
+        float* o = out + t * Hd;
+        const float w0 = wts[order[rows[0]]];
+        const float* y0 = ys + rows[0] * Hd;
+        for (long d = 0; d < Hd; d++) o[d] = y0[d] * w0;
+        for (long j = 1; j < k; j++) {
+            const float wj = wts[order[rows[j]]];
+            const float* yj = ys + rows[j] * Hd;
+            for (long d = 0; d < Hd; d++) o[d] = o[d] + yj[d] * wj;
+        }
+    });
+}
+
+extern "C" void zoo_moe_experts(const float* x, long T, long Hd, const int64_t* ids, const float* wts, long K,
+                                const float* w13, const float* w2, long E, long I, int act, float* out, int nt) {
+    moe_experts(x, T, Hd, ids, wts, K, w13, w2, E, I, act, out, nt);
+}
+
+// Mixtral's router on logits [T, E]: softmax (float32), the K largest (ties: the lower id), divided by their
+// sum when renorm: weights [T, K], ids [T, K] (largest first)
+static void softmax_topk(const float* logits, long T, long E, long K, int renorm, float* wts, int64_t* ids) {
+    for (long t = 0; t < T; t++) {
+        const float* l = logits + t * E;
+        float p[256], m = -INFINITY, s = 0.0f;
+        for (long e = 0; e < E; e++) m = std::max(m, l[e]);
+        for (long e = 0; e < E; e++) s += (p[e] = std::exp(l[e] - m));
+        for (long e = 0; e < E; e++) p[e] = p[e] / s;
+        bool used[256] = {false};
+        float sum = 0.0f;
+        for (long j = 0; j < K; j++) {
+            long best = -1;
+            for (long e = 0; e < E; e++)
+                if (!used[e] && (best < 0 || p[e] > p[best])) best = e;
+            used[best] = true;
+            ids[t * K + j] = best;
+            sum += (wts[t * K + j] = p[best]);
+        }
+        if (renorm)
+            for (long j = 0; j < K; j++) wts[t * K + j] = wts[t * K + j] / sum;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Multi-head latent attention, the absorbed decode (zoo/layers/mla.py): D requests with one new token each,
+// token toks[i] of the step, request reqs[i] of the block tables, lens[i] context tokens (the new one's row
+// already in the cache). The cache [NB, BS, C] holds rows [latent (R) | rotated rope key (DR)], C = R + DR;
+// wkv = kv_b_proj.weight [NH (DN + DV), R], per head W_UK [DN, R] then W_UV [DV, R]. Per request and head:
+//     ql = W_UK^T q_nope [R];  score_s = scale (ql . c_s + q_rope . k_rope_s);  p = softmax(score)
+//     out = W_UV (sum_s p_s c_s) [DV]
+// One work item per (request, head). Returns 0, 2 (a length outside 1 .. max_blocks BS) or 4 (a block id
+// outside the pool).
+
+static inline void axpy(float a, const float* x, float* y, long n) {  // y += a x, one rounding each
+    const v16 av = splat(a);
+    long i = 0;
+    for (; i + 16 <= n; i += 16) store(y + i, fma16(av, load(x + i), load(y + i)));
+    for (; i < n; i++) y[i] = std::fma(a, x[i], y[i]);
+}
+
+extern "C" int zoo_mla_decode(const float* qn, long qn_st, long qn_sh, const float* qr, long qr_st, long qr_sh,
+                              long NH, long DN, long DR, const float* wkv, long R, long DV, const float* cache,
+                              long nb, long bs, const int32_t* tables, long max_blocks, const int64_t* toks,
+                              const int64_t* reqs, const int64_t* lens, long D, float scale, float* out, int nt) {
+    for (long i = 0; i < D; i++) {
+        if (lens[i] < 1 || lens[i] > max_blocks * bs) return 2;
+        for (long b = 0; b < (lens[i] + bs - 1) / bs; b++) {
+            const long blk = tables[reqs[i] * max_blocks + b];
+            if (blk < 0 || blk >= nb) return 4;
+        }
+    }
+    const long C = R + DR;
+    parallel_for(D * NH, 1, D * NH > 1 ? nt : 1, [&](long item) {
+        const long i = item / NH, n = item % NH, L = lens[i];
+        static thread_local std::vector<float> store_ql, store_sc, store_ol;
+        float* ql = room(store_ql, R);
+        float* sc = room(store_sc, L);
+        float* ol = room(store_ol, R);
+        const float* q = qn + toks[i] * qn_st + n * qn_sh;
+        const float* qrr = qr + toks[i] * qr_st + n * qr_sh;
+        const float* wuk = wkv + n * (DN + DV) * R;
+        const float* wuv = wuk + DN * R;
+        const int32_t* table = tables + reqs[i] * max_blocks;
+        std::fill(ql, ql + R, 0.0f);
+        for (long k = 0; k < DN; k++) axpy(q[k], wuk + k * R, ql, R);
+        float m = -INFINITY;
+        for (long s = 0; s < L; s++) {
+            const float* row = cache + ((long)table[s / bs] * bs + s % bs) * C;
+            sc[s] = (dot(ql, row, R) + dot(qrr, row + R, DR)) * scale;
+            m = std::max(m, sc[s]);
+        }
+        float sum = 0.0f;
+        for (long s = 0; s < L; s++) sum += (sc[s] = std::exp(sc[s] - m));
+        std::fill(ol, ol + R, 0.0f);
+        for (long s = 0; s < L; s++) axpy(sc[s] / sum, cache + ((long)table[s / bs] * bs + s % bs) * C, ol, R);
+        float* o = out + toks[i] * NH * DV + n * DV;
+        for (long v = 0; v < DV; v++) o[v] = dot(ol, wuv + v * R, R);
+    });
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Causal attention over flattened tokens and the paged cache [NB * BS, 2, KV, D] (0 = K, 1 = V).
 //
 // The new tokens' k and v are first written to their slots; then each token attends to its request's context
@@ -1733,6 +1899,10 @@ struct LayerWeightsT {
     C* cache;     // [NB, BS, 2, KV, D]
     long window;  // sliding window, 0 = none
     const QMat *qkv_q, *o_q, *gate_up_q, *down_q;  // block-quantised matrices (then the W pointer is unused)
+    // a MoE layer (router non-null: Mixtral's SparseMoeBlock, in place of gate_up / down): router [E, Hd],
+    // the stacked experts [E, 2 I, Hd] and [E, Hd, I]; softmax top-k routing, renormalised when renorm
+    const W *router, *experts_gate_up, *experts_down;
+    long experts, top_k, renorm, moe_inter;
 };
 typedef LayerWeightsT<float, float> LayerWeights;
 
@@ -1753,6 +1923,19 @@ static void gated_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>
     linear_panels(pack(x, R, Hd, Hd, nt), R, w.gate_up, 2 * I, Hd, w.gate_up_bias, nullptr, 0, gu, nt);
     act_mul(act, gu, P, I * lanes, 2 * I * lanes, a, nt);
     linear_panels(a, R, w.down, Hd, I, w.down_bias, h, Hd, nullptr, nt);
+}
+
+// h [R, Hd] = the MoE block of x [R, Hd]: router logits (the native linear), softmax top-k, the experts
+template <typename W, typename C>
+static void moe_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>& w, int act, float* h, int nt) {
+    static thread_local std::vector<float> logit_store, wt_store;
+    static thread_local std::vector<int64_t> id_store;
+    float* logits = room(logit_store, R * w.experts);
+    float* wts = room(wt_store, R * w.top_k);
+    int64_t* ids = room(id_store, R * w.top_k);
+    linear(x, R, Hd, w.router, w.experts, Hd, (const float*)nullptr, logits, w.experts, nt, R);
+    softmax_topk(logits, R, w.experts, w.top_k, (int)w.renorm, wts, ids);
+    moe_experts(x, R, Hd, ids, wts, w.top_k, w.experts_gate_up, w.experts_down, w.experts, w.moe_inter, act, h, nt);
 }
 
 // the residual add res += h, or with a norm weight (Gemma3's sandwich) res += norm(h), normed into `scratch`
@@ -1825,7 +2008,7 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
         if (bad) return bad;
         float *a_in = att, *res = hidden;  // the rows that go on: all, or after the last attention the sampled
         long R = T;
-        if (l == nl - 1 && N < T) {  // every token's K and V are written: only the sampled rows go on (a prefill
+        if (l == nl - 1 && N < T && !w.router) {  // every token's K and V are written: only the sampled rows go on (a prefill
             // step skips the last layer's MLP for the rest, 1 / L of its work). Each kernel below computes a row
             // alone, on the path it takes for T rows: the logits are those of the whole step, bit for bit.
             for (long r = 0; r < N; r++) {
@@ -1837,7 +2020,10 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
         any_linear(a_in, R, H * D, w.o, w.o_q, Hd, H * D, w.o_bias, h, Hd, nt, T);
         add_normed(res, h, x, R, Hd, w.post_attn, eps, gemma, nt);
         zoo_rms_norm(res, R, Hd, Hd, w.ln2, eps, gemma, x, nt);
-        gated_mlp(x, R, Hd, w, I, act, gu, a, h, nt, T);
+        if (w.router)  // (not pruned: each expert's path depends on its row count over the whole step)
+            moe_mlp(x, R, Hd, w, act, h, nt);
+        else
+            gated_mlp(x, R, Hd, w, I, act, gu, a, h, nt, T);
         add_normed(res, h, x, R, Hd, w.post_ff, eps, gemma, nt);
     }
     for (long r = 0; r < N; r++)

@@ -13,7 +13,10 @@ Qualifies: a model assembled from the Llama plugin's classes with their own forw
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
 per-head q/k norms) or Gemma3's decoder layer (norms around both blocks' outputs, (1 + w) norms, a scaled
 embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps throughout, SiLU or GELU-tanh
-gated MLPs, no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
+gated MLPs or, in float32, MoE blocks of softmax top-k routing over stacked experts without a shared expert
+(Mixtral, Qwen3-MoE: the router's logits from the native GEMM where the module path has torch's F.linear, so
+those logits, and the rest after them, agree with the module path to rounding, not bit for bit; the experts
+are cpu.cpp's moe_experts, the module path's kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
 caches, or bfloat16 ones (`zoo_llama_forward_bf16`: the matrices, the embedding, the head and the KV cache read
 as bfloat16 and widened, float32 activations and arithmetic; the norm weights and biases, a few KB, converted to
 float32 once here and converted again when a step finds them modified), or block-quantised matrices with float32
@@ -33,6 +36,7 @@ from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import Linear, MergedLinear, QKVLinear
 from zoo.layers.mlp import GatedMLP
+from zoo.layers.moe import SparseMoeBlock, StackedExperts, TopKRouter
 from zoo.layers.norm import GemmaRMSNorm, RMSNorm
 from zoo.layers.rotary import RotaryEmbedding
 
@@ -56,7 +60,9 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "q_norm",
         "k_norm", "post_attn", "post_ff", "cos", "sin", "cache")] + [
-        ("window", ctypes.c_long)] + [(name, ctypes.c_void_p) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")]
+        ("window", ctypes.c_long)] + [(name, ctypes.c_void_p) for name in (
+        "qkv_q", "o_q", "gate_up_q", "down_q", "router", "experts_gate_up", "experts_down")] + [
+        (name, ctypes.c_long) for name in ("experts", "top_k", "renorm", "moe_inter")]
 
 
 def _own_forwards(obj, names) -> bool:
@@ -122,6 +128,7 @@ class FusedDecoder:
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
         layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
+        inters, moe_inters = set(), set()  # the dense MLPs' intermediate sizes, the experts'
         # float32, or bfloat16: matrices and caches of that dtype, the rest float32; block-quantised (uint8 bytes):
         # float32 caches and the rest
         dtype = torch.float32 if embed.weight.dtype is torch.uint8 else embed.weight.dtype
@@ -144,10 +151,18 @@ class FusedDecoder:
                         f"({', '.join(q for q, _ in _LAYERS)})")
             if not _own_forwards(attn, _FORWARDS["attention"]):
                 return f"{attn.prefix}: {type(attn).__name__} overrides {' or '.join(_FORWARDS['attention'])}"
+            moe = type(mlp) is SparseMoeBlock
             if not (type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear and type(core) is Attention
-                    and type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear
-                    and type(mlp.down_proj) is Linear):
+                    and (moe or (type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear
+                                 and type(mlp.down_proj) is Linear))):
                 return f"{layer.prefix}: a projection, the attention core or the MLP is not of the shared kinds"
+            if moe and not (type(mlp.gate) is TopKRouter and type(mlp.experts) is StackedExperts
+                            and mlp.gate.scoring == "softmax" and not hasattr(mlp, "shared_expert")
+                            and mlp.gate.num_experts <= 256 and mlp.gate.top_k <= 64):
+                return (f"{layer.prefix}.mlp: a MoE block other than softmax top-k routing over at most 256 stacked "
+                        f"experts without a shared expert")
+            if moe:
+                mlp = mlp.experts  # (its kind, its weights; the router's below)
             if core.softcap is not None or hasattr(attn, "sinks"):
                 return f"{attn.prefix}: softcapped attention scores or attention sinks"
             rope = attn.rotary_emb
@@ -168,28 +183,37 @@ class FusedDecoder:
             extra = [n for n in (*qk, post_attn, post_ff) if n is not None]
             norms += [ln1, ln2, *extra]
             ropes.append(rope)
-            shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.down_proj.input_size,
-                       mlp.kind))
+            shape.add((core.num_heads, core.num_kv_heads, core.head_dim, core.scale, mlp.kind))
+            (moe_inters if moe else inters).add(mlp.intermediate_size if moe else mlp.down_proj.input_size)
             mods = (ln1, attn.qkv_proj, attn.o_proj, ln2, mlp.gate_up_proj, mlp.down_proj)
             w = [m.weight for m in mods]
             b = [getattr(m, "bias", None) for m in mods]
             params += w + [x for x in b if x is not None] + [n.weight for n in extra]
+            router = layer.mlp.gate if moe else None
+            if moe:
+                params.append(router.weight)
             if kv_caches is None:
                 continue
             cache = kv_caches[attn.prefix]
             if cache.dtype is not dtype or not cache.is_contiguous() or not cache.is_cpu:
                 return f"{attn.prefix}: the KV cache is not {dtype} (the weights' dtype), contiguous, on the CPU"
+            if moe and dtype is not torch.float32:
+                return f"{layer.prefix}.mlp: MoE experts in {dtype} (the driver runs them in float32 only)"
             w[0], w[3], *b = small(w[0]), small(w[3]), *(small(x) for x in b)
-            (qkv, qkv_q), (o, o_q), (gu, gu_q), (down, down_q) = (_float_or_blocks(x, held) for x in
-                                                                  (w[1], w[2], w[4], w[5]))
+            (qkv, qkv_q), (o, o_q) = (_float_or_blocks(x, held) for x in (w[1], w[2]))
+            (gu, gu_q), (down, down_q) = ((None, None), (None, None)) if moe else (
+                _float_or_blocks(x, held) for x in (w[4], w[5]))
+            routed = ((router.weight.data_ptr(), w[4].data_ptr(), w[5].data_ptr(), router.num_experts, router.top_k,
+                       int(router.renormalize), mlp.intermediate_size) if moe else (None, None, None, 0, 0, 0, 0))
             layers.append(_Layer(_ptr(w[0]), qkv, _ptr(b[1]), o, _ptr(b[2]), _ptr(w[3]), gu,
                                  _ptr(b[4]), down, _ptr(b[5]),
                                  *(_ptr(small(n.weight)) if n is not None else None for n in (*qk, post_attn, post_ff)),
-                                 None, None, cache.data_ptr(), core.sliding_window or 0, qkv_q, o_q, gu_q, down_q))
+                                 None, None, cache.data_ptr(), core.sliding_window or 0, qkv_q, o_q, gu_q, down_q,
+                                 *routed))
         kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
         if kinds not in ({RMSNorm}, {GemmaRMSNorm}):
             return f"norms of kinds {sorted(k.__name__ for k in kinds)} (needs RMSNorm or GemmaRMSNorm throughout)"
-        if len(eps) != 1 or len(shape) != 1 or not inner.layers:
+        if len(eps) != 1 or len(shape) != 1 or len(inters) > 1 or not inner.layers:
             return "layers differ in norm eps, heads, head dim, scale, MLP size or activation"
         if kv_caches is None:
             return "qualifies"
@@ -205,7 +229,8 @@ class FusedDecoder:
             return "a rope with two frequency sets (longrope) beside another rope"
         if len({r.table(torch.device("cpu"), torch.float32, 1)[0].shape[1] for r in distinct}) != 1:
             return "layers rotate different numbers of dims"
-        (heads, kv_heads, head_dim, scale, inter, act), = shape
+        (heads, kv_heads, head_dim, scale, act), = shape
+        inter = next(iter(inters or moe_inters))  # the dense MLPs' (the buffers' size), else the experts'
         meta = dict(eps=eps.pop(), ropes=distinct, layer_rope=[distinct.index(r) for r in ropes], heads=heads,
                     kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,
                     vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=small(final.weight),
@@ -262,7 +287,7 @@ class FusedDecoder:
             pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs,
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
             seq_lens.data_ptr(), seq_lens.shape[0], m["final"].data_ptr(), rows.data_ptr(), rows.shape[0],
-            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], torch.get_num_threads(),
+            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], kernels.threads(),
             *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "

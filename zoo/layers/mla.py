@@ -21,6 +21,10 @@ Rotary acts on the DR rope lanes only. DeepSeek-V2 (always) and V3 (rope_interle
 the layer gathers the even lanes then the odd ones and rotates halves, which yields the rotated lanes in
 that gathered order (transformers' V3 output order) for q and k alike, so every score is unchanged.
 
+CPU fast path (float32, kernels on): the absorbed decode of every one-token request is one native call,
+`kernels.mla_decode` (per request and head: W_UK^T q, the scores over the cached rows, the softmax, the
+latents' weighted sum through W_UV), and the layer's small torch ops run on one thread (kernels.serial_torch).
+
 A request with one new token takes the absorbed path, any other the expanded one (`self.mode` forces
 either for every request, which is how the tests check that the two agree).
 """
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rotary import RotaryEmbedding
@@ -110,6 +115,12 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.mode not in self.MODES:
             raise ValueError(f"{self.prefix}.mode={self.mode!r} is not one of {self.MODES}")
+        if kernels.fast(x, self.kv_b_proj.weight):  # torch's small ops on one thread (kernels.serial_torch)
+            with kernels.serial_torch():
+                return self._forward(positions, x, batch)
+        return self._forward(positions, x, batch)
+
+    def _forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q_nope, q_rope, rows = self._project(x, positions, batch)  # [T, NH, DN], [T, NH, DR], [T, C]
         cache = batch.cache_for(self.prefix)  # [NB, BS, C] or None (whole prompts only)
         if cache is not None:
@@ -180,6 +191,11 @@ class MLAttention(nn.Module):
     def _absorbed_decode(self, reqs, q_nope, q_rope, rows, cache, batch, out) -> None:
         """Every one-token request of the step at once, over contexts padded to L."""
         self.path_counts["absorbed"] += len(reqs)
+        if cache is not None and kernels.fast(q_nope, q_rope, cache, self.kv_b_proj.weight):  # one native call
+            kernels.mla_decode(q_nope, q_rope, cache, self.kv_b_proj.weight, batch.block_tables,
+                               [batch.query_start_loc_cpu[i] for i in reqs], reqs,
+                               [batch.seq_lens_cpu[i] for i in reqs], v_dim=self.v_dim, scale=self.scale, out=out)
+            return
         tok = torch.tensor([batch.query_start_loc_cpu[i] for i in reqs], device=rows.device)  # [D]
         lens = [batch.seq_lens_cpu[i] for i in reqs]
         if cache is None:

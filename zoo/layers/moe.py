@@ -18,6 +18,10 @@ Loader rules for the per-expert hub layout: Stack("experts") + Fuse(("gate_proj"
 "gate_up_proj"); the gate_up weight carries `shard_sizes = (I, I)`, the fused dim being dim 0 of each
 expert's row (dim 1 of the stacked parameter).
 
+CPU fast path (float32, kernels on): the whole dispatch of StackedExperts is one native call,
+`kernels.moe_experts` (sort by expert, each expert's two GEMMs and act-and-mul, the experts with <= 4 rows as one
+grouped GEMV, the combine in expert order as combine_in_expert_order); the fused native step runs the same code.
+
 Router taps: `gate` returns what transformers' TopKRouter returns, `(router_logits [T, E], topk_weights
 [T, K], topk_ids [T, K])`, so a forward hook on `mlp.gate` captures the router logits (output[0]) and the
 chosen experts (output[2]) on both sides. `experts(hidden, topk_ids, topk_weights)` also has transformers'
@@ -47,16 +51,12 @@ def serial_ops(x: torch.Tensor):
     """Torch's small ops of a MoE block (router, sort by expert, combine) on one thread while the native kernels
     are on: each is microseconds of work, but an OpenMP region of 2 threads waits for both to be scheduled, and on
     a loaded machine (bench/generate_moe.py ran at load ~7 on 2 cores) that wait was ~100 ms per op, most of a
-    decode step. The native kernels inside keep their threads (they are called outside this block)."""
-    threads = torch.get_num_threads()
-    if threads == 1 or not kernels.fast(x):
+    decode step. Native kernels called inside keep their threads (kernels.serial_torch)."""
+    if not kernels.fast(x):
         yield
         return
-    torch.set_num_threads(1)
-    try:
+    with kernels.serial_torch():  # (kernels.threads() keeps the native kernels' count meanwhile)
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def combine_in_expert_order(weighted: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
@@ -151,6 +151,9 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if kernels.device_path(x):
             return self.grouped(x, topk_ids, topk_weights)
+        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+        if self.kind and kernels.fast(x, topk_weights, w13, w2):  # the whole dispatch in one native call
+            return kernels.moe_experts(x, topk_ids, topk_weights, w13, w2, self.kind)  # [T, H]
         k = topk_ids.shape[1]
         with serial_ops(x):
             flat_ids = topk_ids.reshape(-1)  # [A]
@@ -159,7 +162,6 @@ class StackedExperts(nn.Module):
             counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # [E], one host sync
             x_sorted = x[token_of]  # [A, H]
             y_sorted = torch.empty_like(x_sorted)  # [A, H]
-        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
