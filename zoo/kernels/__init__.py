@@ -657,7 +657,7 @@ def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, 
     params = [None if v is None else v.contiguous() for v in (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)]
     _lib.zoo_mamba2_mix(zx.data_ptr(), t, zx.stride(0), h, p, n, g, k, *map(_ptr, params), eps, lo, hi,
                         _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), b,
-                        xbc.data_ptr(), y.data_ptr(), torch.get_num_threads())
+                        xbc.data_ptr(), y.data_ptr(), threads())
     return y
 
 
@@ -697,7 +697,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(t, c)
     _lib.zoo_causal_conv(x.data_ptr(), x.stride(0), t, c, k, w.data_ptr(), _ptr(b), _ptr(conv_state),
                          starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots), out.data_ptr(),
-                         torch.get_num_threads())
+                         threads())
     return out
 
 
@@ -724,5 +724,5 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     _lib.zoo_selective_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), C.data_ptr(),
                             B.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), d.data_ptr(), t, i, n,
                             _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots),
-                            out.data_ptr(), torch.get_num_threads())
+                            out.data_ptr(), threads())
     return out
