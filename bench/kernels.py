@@ -1,6 +1,6 @@
 """Kernel benchmark: zoo.kernels against torch on SmolLM2-135M's shapes, weights streamed from memory.
 
-    python bench/kernels.py [--threads 2] [--rows 1 4 16 64] [--rounds 5]
+    python bench/kernels.py [--threads 2] [--rows 1 4 16 64] [--rounds 5] [--dtype bfloat16]
 
 A decode step uses each weight matrix once, so a GEMV measured on one hot matrix (in cache) says little:
 here every pass cycles over 30 layers' distinct matrices (qkv 960x576, o 576x576, gate_up 3072x576,
@@ -8,6 +8,8 @@ down 576x1536) and the 49152x576 head, 538 MB in all, as one step of SmolLM2-135
 tensors, once packed end to end (kernels.pack_weights, as the runtime does). Variants run interleaved,
 round after round, and each reports its best and median pass (the machine is shared).
 Also: the read bandwidth (torch.sum over 1 GiB, as bench/generate.py), and the small ops of one layer.
+--dtype bfloat16: the same matrices in bfloat16 (half the bytes; the kernels read them widened, torch's F.linear
+computes in bfloat16 on a bfloat16 x).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -52,24 +55,27 @@ def main(argv=None) -> int:
         print("zoo kernels are off (ZOO_FAST=0) or failed to build", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
-    weights.append(torch.randn(*HEAD, generator=g) * 0.02)
-    nbytes = sum(w.numel() * 4 for w in weights)
+    dtype = getattr(torch, args.dtype)
+    weights = [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
+    weights.append((torch.randn(*HEAD, generator=g) * 0.02).to(dtype))
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
     gbs = bandwidth_gbs()
-    print(f"threads {args.threads}, torch {torch.__version__}; {len(weights)} matrices, {nbytes / 1e6:.0f} MB; "
+    print(f"threads {args.threads}, torch {torch.__version__}; {len(weights)} {args.dtype} matrices, "
+          f"{nbytes / 1e6:.0f} MB; "
           f"read bandwidth {gbs:.1f} GB/s (torch.sum over 1 GiB); floor {nbytes / gbs / 1e6:.1f} ms per pass\n")
 
     # the same matrices packed end to end in reading order (kernels.pack_weights, as the runtime does)
     holder = torch.nn.ParameterList([torch.nn.Parameter(w.clone(), requires_grad=False) for w in weights])
     kernels.pack_weights(holder)
     packed = list(holder)
-    variants = {"torch F.linear": (F.linear, weights), "zoo kernels.linear": (kernels.linear, weights),
+    torch_linear = F.linear if dtype is torch.float32 else lambda x, w: F.linear(x.to(w.dtype), w)
+    variants = {"torch F.linear": (torch_linear, weights), "zoo kernels.linear": (kernels.linear, weights),
                 "zoo kernels.linear, packed": (kernels.linear, packed)}
     rows = []
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in SHAPES}}
         for w in weights[:4]:  # agreement first
-            want = F.linear(xs[w.shape[1]], w)
+            want = F.linear(xs[w.shape[1]], w.float())
             err = (kernels.linear(xs[w.shape[1]], w) - want).abs().max().item()
             assert err < 1e-4 * max(1.0, want.abs().max().item()), f"M={m} {tuple(w.shape)}: error {err}"
         times = defaultdict(list)
@@ -79,7 +85,8 @@ def main(argv=None) -> int:
         for name, ts in times.items():
             best, med = min(ts), statistics.median(ts)
             rows.append((f"M={m}", name, f"{best * 1e3:.1f}", f"{med * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}",
-                         f"{2 * m * nbytes / 4 / best / 1e9:.1f}", f"{nbytes / gbs / 1e6 / (best * 1e3):.0%}"))
+                         f"{2 * m * nbytes / weights[0].element_size() / best / 1e9:.1f}",
+                         f"{nbytes / gbs / 1e6 / (best * 1e3):.0%}"))
     print_table(["rows", "variant", "best ms", "median ms", "GB/s (best)", "GFLOP/s (best)", "of floor"], rows)
 
     # the small ops of one SmolLM2 layer at T tokens: torch reference vs kernel, microseconds per call

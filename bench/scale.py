@@ -8,6 +8,9 @@ embeddings, llama3 rope) is built once by transformers, on the meta device and t
 
 (1) load: each in a fresh process, the page cache warm (the files are read once first), rounds interleaved:
     raw read   the files read into a reused 64 MiB buffer (the speed of `cat`): the anchor
+    pages      a buffer of the weights' size as the load allocates it (transparent huge pages asked for), one byte
+               written per 4 KB page: the page faults (zeroing, and on a fragmented machine the kernel's compaction
+               to find 2 MB pages) that any load into fresh memory pays on top of the read
     zoo        zoo.build.build_model(dir, dtype=bfloat16): config, the model on meta, the strict load (every
                weight read straight into the buffer the kernels stream, in reading order), and the model runner's
                packing step (nothing left to do: the load packed it), until every weight is usable
@@ -118,6 +121,13 @@ def run_one(name: str, path: Path, threads: int) -> dict:
         weights = list(model.parameters())
         extra = {"packed_bytes": packed, "weight_bytes": sum(p.numel() * p.element_size() for p in weights),
                  "copied": [p.data_ptr() for p in weights] != loaded_at}
+    elif name == "pages":  # what any loader pays on top of the read: fresh memory for the weights, faulted in
+        from zoo import kernels
+
+        nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        buf, raw = kernels._huge_buffer(nbytes)  # (the buffer the load reads into: huge pages where granted)
+        raw[::4096].fill_(1)  # one byte per 4 KB page
+        weights, extra = [], {"huge_kb": _anon_huge_kb()}
     else:  # raw read: the files into a reused buffer
         buf = bytearray(64 << 20)
         weights, extra = [], {}
@@ -132,12 +142,21 @@ def run_one(name: str, path: Path, threads: int) -> dict:
     return {"seconds": seconds, "peak_above_base_mb": peak_mb() - base, **extra}
 
 
+def _anon_huge_kb() -> int:
+    """This process's anonymous memory in transparent huge pages (smaps_rollup), KB."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
 def measure_load(path: Path, rounds: int, threads: int) -> dict[str, list[dict]]:
     for f in path.glob("*.safetensors"):  # warm the page cache
         with open(f, "rb") as fh:
             while fh.read(64 << 20):
                 pass
-    results: dict[str, list[dict]] = {"raw": [], "zoo": []}
+    results: dict[str, list[dict]] = {"raw": [], "zoo": [], "pages": []}
     for r in range(rounds):
         for name in results:
             cmd = [sys.executable, __file__, "--run", name, str(path), "--threads", str(threads)]
@@ -197,7 +216,7 @@ def main(argv=None) -> int:
     file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     load_start = os.getloadavg()
     loads = measure_load(path, args.rounds, args.threads)
-    raw, zoo = loads["raw"], loads["zoo"]
+    raw, zoo, pages = loads["raw"], loads["zoo"], loads["pages"]
     wbytes = zoo[0]["weight_bytes"]
     load_ratios = [z["seconds"] / r["seconds"] for r, z in zip(raw, zoo)]
     rss_ratios = [z["peak_above_base_mb"] * 2**20 / wbytes for z in zoo]
@@ -205,6 +224,9 @@ def main(argv=None) -> int:
         ("(1) load s (zoo / raw read of the files)", f"{statistics.median(z['seconds'] for z in zoo):.2f}",
          f"{statistics.median(r['seconds'] for r in raw):.2f}", f"{statistics.median(load_ratios):.2f}x",
          f"<= {GOALS['load']}x", verdict(statistics.median(load_ratios) <= GOALS["load"])),
+        ("(1) of which fresh memory: the weights' pages faulted in, s",
+         f"{statistics.median(p['seconds'] for p in pages):.2f}", f"{statistics.median(r['seconds'] for r in raw):.2f}",
+         f"{statistics.median(p['seconds'] / r['seconds'] for r, p in zip(raw, pages)):.2f}x", "", ""),
         ("(1) peak RSS above base MB (zoo / the weights)", f"{max(z['peak_above_base_mb'] for z in zoo):.0f}",
          f"{wbytes / 2**20:.0f}", f"{max(rss_ratios):.2f}x", f"<= {GOALS['rss']}x",
          verdict(max(rss_ratios) <= GOALS["rss"])),
@@ -223,11 +245,13 @@ def main(argv=None) -> int:
           f"{args.threads}; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end "
           f"({os.cpu_count()} cores)\n")
     print_table(["measure", "zoo", "anchor", "ratio", "target", "verdict"], rows)
-    raw_s, zoo_s = (", ".join(f"{x['seconds']:.2f}" for x in xs) for xs in (raw, zoo))
+    raw_s, zoo_s, pages_s = (", ".join(f"{x['seconds']:.2f}" for x in xs) for xs in (raw, zoo, pages))
+    huge_mb = ", ".join(f"{x['huge_kb'] / 1024:.0f}" for x in pages)
     print(f"\n(1) rounds: raw read {raw_s} s; zoo {zoo_s} s; ratio per round "
           f"{', '.join(f'{x:.2f}x' for x in load_ratios)}; RSS / weights per round "
           f"{', '.join(f'{x:.2f}x' for x in rss_ratios)}; the runner's pack step copied "
-          f"{'nothing (loaded packed)' if not any(z['copied'] for z in zoo) else 'the weights again'}")
+          f"{'nothing (loaded packed)' if not any(z['copied'] for z in zoo) else 'the weights again'}; fresh pages: "
+          f"{pages_s} s, of which in huge pages {huge_mb} MB of {wbytes / 2**20:.0f}")
     if not args.skip_decode:
         print(f"(2) samples: zoo {', '.join(f'{m:.1f}' for m in d['ms'])} ms/token; read bandwidth "
               f"{', '.join(f'{g:.1f}' for g in d['gbs'])} GB/s; floor / zoo per sample "
