@@ -240,6 +240,25 @@ def test_pack_weights_keeps_values_ties_and_outputs(dtype):
     assert torch.equal(model.compute_logits(model(ids, batch.positions, batch)), want)
 
 
+def test_huge_pages_asked_for_only_as_far_as_free_2mb_blocks_go():
+    import mmap
+
+    if mmap.PAGESIZE != 4096:
+        pytest.skip("the buddyinfo orders below assume 4 KB pages")
+    info = ("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"
+            "Node 0, zone    DMA32      5      3      5      4      4      4      4      5      6      5    719\n"
+            "Node 0, zone   Normal   5268    409   1656     45     55     36   1902    323    347    648    103\n")
+    # Normal's order-9 (2 MB) and order-10 (4 MB) blocks; DMA / DMA32 are kept for allocations that need them
+    assert kernels.free_huge_bytes(info) == 648 * (2 << 20) + 103 * (4 << 20)
+    assert kernels.free_huge_bytes("no zones here\n") is None
+    got = kernels.free_huge_bytes()
+    assert got is None or got >= 0
+    buf, raw = kernels._huge_buffer(5 << 20)  # rounded up to 2 MB pages, usable whatever was granted
+    assert raw.numel() == 6 << 20 and raw.dtype is torch.uint8
+    raw[::4096] = 7
+    assert int(raw[4096 * 1000]) == 7
+
+
 def test_switched_off_layers_compute_with_torch():
     lin = Linear(24, 10)
     lin.weight.data = torch.randn(10, 24)

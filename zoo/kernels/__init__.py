@@ -290,14 +290,17 @@ def _huge_buffer(nbytes: int):
         return None, torch.empty(nbytes, dtype=torch.uint8)
 
 
-def free_huge_bytes() -> int | None:
+def free_huge_bytes(buddyinfo: str | None = None) -> int | None:
     """Bytes in free blocks of 2 MB or more in the zones ordinary allocations take from (Normal, Movable), from
-    /proc/buddyinfo (Linux; None where it cannot be read: huge pages are then asked for throughout)."""
-    try:
-        with open("/proc/buddyinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
+    /proc/buddyinfo (or the text given; Linux; None where it cannot be read: huge pages are then asked for
+    throughout)."""
+    if buddyinfo is None:
+        try:
+            with open("/proc/buddyinfo") as f:
+                buddyinfo = f.read()
+        except OSError:
+            return None
+    lines = buddyinfo.splitlines()
     page, order = mmap.PAGESIZE, (2 << 20) // mmap.PAGESIZE
     total, seen = 0, False
     for line in lines:
