@@ -116,6 +116,8 @@ def main(argv=None) -> int:
         f_ms.append(ms)
         if cpp is not None:
             c_ms.append(cpp(path))
+        say(f"  round {len(q_ms)}: quantized {q_ms[-1]:.2f}, float32 {f_ms[-1]:.2f}"
+            + (f", llama.cpp {c_ms[-1]:.2f}" if c_ms else "") + " ms/token")
     ratios = [a / b for a, b in zip(q_ms, f_ms)]
     qb, fb = weight_bytes(q.model), weight_bytes(f.model)
     floor = lambda b: b / (median(gbs) * 1e9) * 1000  # noqa: E731
