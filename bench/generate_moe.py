@@ -7,6 +7,7 @@ The checkpoint is built by transformers with random weights and saved once under
 read the same files). Workloads, greedy, `--new` tokens each, EOS ignored:
     1 x P     one prompt of `--prompt` tokens
     B x P     `--batch` prompts of `--prompt` tokens at once (equal lengths: transformers needs no padding)
+    B ragged  `--batch` prompts of P/4 .. P tokens at once (transformers: left-padded with a mask)
 Rows: the zoo (zoo.LLM: paged KV, continuous batching, grouped expert dispatch) and transformers with its
 default experts implementation and with "eager"; each timed as the best of `--repeat` runs after a warm-up.
 ratio = transformers time / zoo time (above 1: the zoo is faster). `same tokens` compares greedy outputs
@@ -15,6 +16,7 @@ with the zoo's (float32 random weights: routing ties can make a long continuatio
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,29 +90,41 @@ def main(argv=None) -> int:
         ref.generation_config.eos_token_id = None
         refs[f"transformers ({ref.config._experts_implementation} experts)"] = ref
 
+    lengths = [round(args.prompt / 4 + (args.prompt - args.prompt / 4) * i / max(args.batch - 1, 1))
+               for i in range(args.batch)][::-1]  # P .. P/4
+    ragged = [p[:n].tolist() for p, n in zip(prompts, lengths)]
+
     def zoo_run(batch):
-        return lambda: [list(o.token_ids) for o in llm.generate([p.tolist() for p in batch], params)]
+        return lambda: [list(o.token_ids) for o in llm.generate(batch, params)]
 
     def hf_run(ref, batch):
+        longest = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])  # [B, S] left-padded
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+
         def run():
             with torch.inference_mode():
-                out = ref.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.new,
-                                   do_sample=False, pad_token_id=0)
-            return out[:, batch.shape[1]:].tolist()
+                out = ref.generate(ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                                   pad_token_id=0)
+            return out[:, longest:].tolist()
         return run
 
     print(f"Mixtral, random weights, float32, {torch.get_num_threads()} threads: {args.experts} experts top-"
           f"{args.top_k}, hidden {args.hidden}, expert MLP {args.intermediate}, {args.layers} layers; "
           f"{args.new} new tokens per prompt")
-    print(f"{'workload':<10} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
-    for name, batch in ((f"1 x {args.prompt}", prompts[:1]), (f"{args.batch} x {args.prompt}", prompts)):
-        new_tokens = batch.shape[0] * args.new
+    print(f"{'workload':<14} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
+    for name, batch in ((f"1 x {args.prompt}", prompts[:1].tolist()),
+                        (f"{args.batch} x {args.prompt}", prompts.tolist()),
+                        (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", ragged)):
+        new_tokens = len(batch) * args.new
         t_zoo, ours = best_of(zoo_run(batch), args.repeat)
-        print(f"{name:<10} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}")
+        print(f"{name:<14} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
         for label, ref in refs.items():
             t, theirs = best_of(hf_run(ref, batch), args.repeat)
             same = sum(a == b for a, b in zip(ours, theirs))
-            print(f"{name:<10} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}")
+            print(f"{name:<14} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
+                  flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
     return 0
 
 

@@ -61,6 +61,9 @@ class MLAttention(nn.Module):
     """DeepSeek's attention; submodule names equal the checkpoint's (`q_a_proj`, `kv_b_proj`, ...)."""
 
     MODES = ("auto", "expand", "absorbed")
+    # steps whose longest request has at most this many new tokens run torch's ops on one thread; a longer
+    # prompt's expanded attention (SDPA over [NH, Q, S]) is work enough to keep torch's threads
+    SERIAL_MAX_QUERY = 256
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: RotaryEmbedding,
@@ -115,8 +118,10 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.mode not in self.MODES:
             raise ValueError(f"{self.prefix}.mode={self.mode!r} is not one of {self.MODES}")
-        if kernels.fast(x, self.kv_b_proj.weight):  # torch's small ops on one thread (kernels.serial_torch)
-            with kernels.serial_torch():
+        qsl = batch.query_start_loc_cpu
+        if kernels.fast(x, self.kv_b_proj.weight) and max(
+                (b - a for a, b in zip(qsl, qsl[1:])), default=0) <= self.SERIAL_MAX_QUERY:
+            with kernels.serial_torch():  # torch's small ops on one thread (kernels.serial_torch)
                 return self._forward(positions, x, batch)
         return self._forward(positions, x, batch)
 
