@@ -112,17 +112,17 @@ def main(argv=None) -> int:
     print(f"Mixtral, random weights, float32, {torch.get_num_threads()} threads: {args.experts} experts top-"
           f"{args.top_k}, hidden {args.hidden}, expert MLP {args.intermediate}, {args.layers} layers; "
           f"{args.new} new tokens per prompt")
-    print(f"{'workload':<14} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
+    print(f"{'workload':<16} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
     for name, batch in ((f"1 x {args.prompt}", prompts[:1].tolist()),
                         (f"{args.batch} x {args.prompt}", prompts.tolist()),
                         (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", ragged)):
         new_tokens = len(batch) * args.new
         t_zoo, ours = best_of(zoo_run(batch), args.repeat)
-        print(f"{name:<14} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
+        print(f"{name:<16} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
         for label, ref in refs.items():
             t, theirs = best_of(hf_run(ref, batch), args.repeat)
             same = sum(a == b for a, b in zip(ours, theirs))
-            print(f"{name:<14} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
+            print(f"{name:<16} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
                   flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
     return 0
