@@ -11,8 +11,11 @@ batch-1 greedy decode and peak memory, both in this one run.
     arithmetic before the memory (dequantizing in registers, float32 accumulation).
     llama.cpp's batch-1 decode of the same file (bench/llamacpp.py's llama-bench, `-n` the same tokens, from an
     empty context where zoo's follows the chat prompt) is a third row, sampled in turn with the other two; goal:
-    quantized within 1.2x of it (the median of the per-round ratios). Skipped, with the reason, when llama.cpp
-    is not built (`python bench/llamacpp.py --build-only` builds it under zoo's cache; this script never does).
+    quantized within 1.2x of it, judged on the best round of each side: llama.cpp's OpenMP threads spin at
+    their barriers, so on a shared box one round takes 20 ms/token and the next 450 (a core taken by another
+    process), and a median of per-round ratios would credit zoo with that collapse. Skipped, with the reason,
+    when llama.cpp is not built (`python bench/llamacpp.py --build-only` builds it under zoo's cache; this
+    script never does).
 (2) peak RSS of a process that loads the model and generates 16 tokens, above a bare process that imports
     torch and transformers, against the GGUF file's size; quantized and float32, each in its own child
     process. Goal (quantized) <= 3x the file. The peak is the child's VmHWM (/proc/self/status: the high-water
@@ -131,10 +134,11 @@ def main(argv=None) -> int:
             ("weights read per token, float32", f"{fb / 1e6:.1f} MB", f"floor {floor(fb):.2f} ms", "", "")]
     if c_ms:
         c_ratios = [a / c for a, c in zip(q_ms, c_ms)]
-        c_ok = median(c_ratios) <= GOALS["llamacpp"]
-        rows.insert(2, (f"decode ms/token, llama.cpp {path.name}", f"{median(c_ms):.2f}",
-                        f"quantized {median(c_ratios):.2f}x llama.cpp (pairs: {', '.join(f'{r:.2f}' for r in c_ratios)})",
-                        f"<= {GOALS['llamacpp']}x", "met" if c_ok else "NOT met"))
+        c_ratio = min(q_ms) / min(c_ms)  # each side's least disturbed round (see the docstring)
+        rows.insert(2, (f"decode ms/token, llama.cpp {path.name}", f"{min(c_ms):.2f} best, {median(c_ms):.2f} median",
+                        f"quantized {c_ratio:.2f}x llama.cpp, best of each (pairs: "
+                        f"{', '.join(f'{r:.2f}' for r in c_ratios)})",
+                        f"<= {GOALS['llamacpp']}x", "met" if c_ratio <= GOALS["llamacpp"] else "NOT met"))
     else:
         rows.insert(2, ("decode ms/token, llama.cpp (same file)", "-", f"skipped: {cpp_missing}", "", ""))
     same = q_tokens == f_tokens
