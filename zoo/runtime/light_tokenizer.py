@@ -25,6 +25,7 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' assi
 PROBE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2? Say it twice."},
               {"role": "assistant", "content": "4, 4."}, {"role": "user", "content": "Thanks! ¿Y en español?"}]
 PROBE_TEXTS = ("What is the capital of France?", "  spaces\tand\nnewlines  ", "naïve café, 東京 🙂", "")
+PROBE_SECONDS = 1.0  # the probe chat renders in milliseconds; a template that loops is not proved
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
 
 
@@ -251,14 +252,13 @@ def proof(directory: Path, ref) -> dict | None:
         if tok.encode(text) != ids or tok.decode(ids) != ref.decode(ids) or \
                 tok.decode(ids, skip_special_tokens=True) != ref.decode(ids, skip_special_tokens=True):
             return None
-    if template is not None:
+    if template is not None:  # (untrusted code: rendered with zoo's time bound, chat_template.py)
+        from zoo.runtime.chat_template import apply_chat_template
+
         try:
-            ids = ref.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, return_dict=False)
-        except Exception:  # noqa: BLE001 - a template that fails on a plain chat: transformers' path says why
-            return None
-        try:
-            if tok.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, return_dict=False) != list(ids):
+            if apply_chat_template(tok, PROBE_CHAT, seconds=PROBE_SECONDS) != \
+                    apply_chat_template(ref, PROBE_CHAT, seconds=PROBE_SECONDS):
                 return None
-        except Exception:  # noqa: BLE001
-            return None
+        except Exception:  # noqa: BLE001 - a template that fails or loops on a plain chat: transformers' path
+            return None  # (the start then says why, with its own bound)
     return light
