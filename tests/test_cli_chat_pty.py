@@ -79,7 +79,7 @@ class Terminal:
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    return save_chat_model(tmp_path_factory.mktemp("pty"), max_position_embeddings=4096)
+    return save_chat_model(tmp_path_factory.mktemp("pty"), max_position_embeddings=65536)
 
 
 def test_history_reset_help_and_empty_lines(chat_model):
@@ -111,7 +111,7 @@ def test_history_reset_help_and_empty_lines(chat_model):
 
 
 def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(chat_model):
-    t = Terminal("run", str(chat_model), "--max-tokens", "4000", "--ignore-eos")  # a reply of many seconds
+    t = Terminal("run", str(chat_model), "--max-tokens", "60000", "--ignore-eos")  # a reply of minutes: more than a pty buffer holds
     try:
         t.expect(r"> ")
         t.type(PROMPT + "\r")
@@ -122,6 +122,6 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(chat_model):
         t.expect(r"> ")
         t.type("\x03")  # at the empty prompt, after an interrupted reply: quits
         assert t.exit_status() == 0
-        assert "4000 tokens" not in t.out  # the reply did not run to its end
+        assert "60000 tokens" not in t.out  # the reply did not run to its end
     finally:
         t.kill()
