@@ -25,7 +25,8 @@ class Terminal:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "HF_HUB_OFFLINE": "1"}
         pid, fd = pty.fork()
         if pid == 0:  # the child: become zoo
-            try:
+            try:  # as a shell starts a foreground job: Ctrl-C's SIGINT at its default, even when this
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # pytest runs in a background job (SIGINT ignored)
                 os.chdir(ROOT)
                 os.execve(sys.executable, [sys.executable, "-m", "zoo.cli", *args], env)
             finally:
