@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_moe import best_of  # noqa: E402
+from generate_moe import experts_table, ragged_lengths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -84,55 +84,16 @@ def main(argv=None) -> int:
         args.hidden, args.intermediate, args.moe_intermediate, args.latent, args.q_lora = 256, 512, 256, 64, 128
         args.new, args.repeat = 16, 1
 
-    import transformers
-
-    from zoo import LLM, SamplingParams
-
     path = checkpoint(args)
     g = torch.Generator().manual_seed(0)
-    lengths = [round(args.prompt / 4 + (args.prompt - args.prompt / 4) * i / max(args.batch - 1, 1))
-               for i in range(args.batch)][::-1]  # P .. P/4: the first is the single prompt's
+    lengths = ragged_lengths(args.prompt, args.batch)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in lengths]
-    llm = LLM(str(path), dtype="float32", block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
-    refs = {}
-    for impl in ("default", "eager"):
-        kw = {} if impl == "default" else {"experts_implementation": "eager"}
-        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-        ref.generation_config.eos_token_id = None
-        refs[f"transformers ({ref.config._experts_implementation} experts)"] = ref
-
-    def zoo_run(batch):
-        return lambda: [list(o.token_ids) for o in llm.generate(batch, params)]
-
-    def hf_run(ref, batch):
-        longest = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])  # [B, S] left-padded
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-
-        def run():
-            with torch.inference_mode():
-                out = ref.generate(ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
-                                   pad_token_id=0)
-            return out[:, longest:].tolist()
-        return run
-
     print(f"DeepSeek-V3, random weights, float32, {torch.get_num_threads()} threads: hidden {args.hidden}, "
           f"{args.hidden // 64} heads, kv_lora_rank {args.latent}, q_lora_rank {args.q_lora}, {args.layers} layers "
           f"(1 dense, MLP {args.intermediate}), {args.experts} experts top-{args.top_k} + 1 shared, expert MLP "
           f"{args.moe_intermediate}; {args.new} new tokens per prompt; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'workload':<22} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
-    for name, batch in ((f"1 x {args.prompt}", prompts[:1]),
-                        (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", prompts)):
-        new_tokens = len(batch) * args.new
-        t_zoo, ours = best_of(zoo_run(batch), args.repeat)
-        print(f"{name:<22} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
-        for label, ref in refs.items():
-            t, theirs = best_of(hf_run(ref, batch), args.repeat)
-            same = sum(a == b for a, b in zip(ours, theirs))
-            print(f"{name:<22} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
-                  flush=True)
-    print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
+    experts_table(path, [(f"1 x {args.prompt}", prompts[:1]),
+                         (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", prompts)], args.new, args.repeat)
     return 0
 
 

@@ -55,6 +55,56 @@ def best_of(fn, repeat: int) -> tuple[float, object]:
     return best, out
 
 
+def ragged_lengths(prompt: int, batch: int) -> list[int]:
+    """`batch` prompt lengths from `prompt` down to prompt / 4 (the first is the single prompt's)."""
+    return [round(prompt / 4 + (prompt - prompt / 4) * i / max(batch - 1, 1)) for i in range(batch)][::-1]
+
+
+def experts_table(path: Path, workloads: list[tuple[str, list[list[int]]]], new: int, repeat: int) -> None:
+    """Print one row per workload and engine: the zoo (float32, greedy, EOS ignored) and transformers' generate
+    with its default experts implementation and with "eager" (left-padded with a mask), each the best of
+    `repeat` runs after a warm-up; ratio = transformers time / zoo time; same tokens against the zoo's."""
+    import transformers
+
+    from zoo import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    refs = {}
+    for impl in ("default", "eager"):
+        kw = {} if impl == "default" else {"experts_implementation": "eager"}
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+        ref.generation_config.eos_token_id = None
+        refs[f"transformers ({ref.config._experts_implementation} experts)"] = ref
+
+    def zoo_run(batch):
+        return lambda: [list(o.token_ids) for o in llm.generate(batch, params)]
+
+    def hf_run(ref, batch):
+        longest = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])  # [B, S] left-padded
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+
+        def run():
+            with torch.inference_mode():
+                out = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            return out[:, longest:].tolist()
+        return run
+
+    width = max(16, *(len(name) + 1 for name, _ in workloads))
+    print(f"{'workload':<{width}} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
+    for name, batch in workloads:
+        new_tokens = len(batch) * new
+        t_zoo, ours = best_of(zoo_run(batch), repeat)
+        print(f"{name:<{width}} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
+        for label, ref in refs.items():
+            t, theirs = best_of(hf_run(ref, batch), repeat)
+            same = sum(a == b for a, b in zip(ours, theirs))
+            print(f"{name:<{width}} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
+                  flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=8)
@@ -74,57 +124,17 @@ def main(argv=None) -> int:
     if args.quick:
         args.hidden, args.intermediate, args.new, args.repeat = 256, 512, 16, 1
 
-    import transformers
-
-    from zoo import LLM, SamplingParams
-
     path = checkpoint(args)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 32000, (args.batch, args.prompt), generator=g)  # [B, P]
-    llm = LLM(str(path), dtype="float32", block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
-    refs = {}
-    for impl in ("default", "eager"):
-        kw = {} if impl == "default" else {"experts_implementation": "eager"}
-        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-        ref.generation_config.eos_token_id = None
-        refs[f"transformers ({ref.config._experts_implementation} experts)"] = ref
-
-    lengths = [round(args.prompt / 4 + (args.prompt - args.prompt / 4) * i / max(args.batch - 1, 1))
-               for i in range(args.batch)][::-1]  # P .. P/4
-    ragged = [p[:n].tolist() for p, n in zip(prompts, lengths)]
-
-    def zoo_run(batch):
-        return lambda: [list(o.token_ids) for o in llm.generate(batch, params)]
-
-    def hf_run(ref, batch):
-        longest = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])  # [B, S] left-padded
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-
-        def run():
-            with torch.inference_mode():
-                out = ref.generate(ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
-                                   pad_token_id=0)
-            return out[:, longest:].tolist()
-        return run
-
+    lengths = ragged_lengths(args.prompt, args.batch)
     print(f"Mixtral, random weights, float32, {torch.get_num_threads()} threads: {args.experts} experts top-"
           f"{args.top_k}, hidden {args.hidden}, expert MLP {args.intermediate}, {args.layers} layers; "
           f"{args.new} new tokens per prompt")
-    print(f"{'workload':<16} {'engine':<36} {'seconds':>8} {'tok/s':>8} {'ratio':>6}  same tokens")
-    for name, batch in ((f"1 x {args.prompt}", prompts[:1].tolist()),
-                        (f"{args.batch} x {args.prompt}", prompts.tolist()),
-                        (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", ragged)):
-        new_tokens = len(batch) * args.new
-        t_zoo, ours = best_of(zoo_run(batch), args.repeat)
-        print(f"{name:<16} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
-        for label, ref in refs.items():
-            t, theirs = best_of(hf_run(ref, batch), args.repeat)
-            same = sum(a == b for a, b in zip(ours, theirs))
-            print(f"{name:<16} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
-                  flush=True)
-    print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
+    experts_table(path, [(f"1 x {args.prompt}", prompts[:1].tolist()),
+                         (f"{args.batch} x {args.prompt}", prompts.tolist()),
+                         (f"{args.batch} ragged {min(lengths)}..{max(lengths)}",
+                          [p[:n].tolist() for p, n in zip(prompts, lengths)])], args.new, args.repeat)
     return 0
 
 
