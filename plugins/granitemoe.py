@@ -6,9 +6,12 @@ Shape legend: as plugins/llama.py and zoo/layers/moe.py (E experts, I expert int
 """
 from __future__ import annotations
 
+from functools import partial
+
 from loader.rules import Rename, Rules
 from plugins.granite import GraniteDecoderLayer, GraniteForCausalLM, GraniteModel
-from plugins.llama import LLAMA_RULES, validate
+from plugins.llama import LLAMA_RULES
+from plugins.mixtral import validate_moe
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
 
@@ -36,14 +39,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                    "model.layers.{i}.mlp.gate": "model.layers.{i}.block_sparse_moe.router"}
 
 
-def validate_granitemoe(config) -> None:
-    validate(config)
-    experts, top_k = config.num_local_experts, config.num_experts_per_tok
-    if not 0 < top_k <= experts:
-        raise ValueError(f"config.num_experts_per_tok={top_k} must be in 1..num_local_experts={experts}")
-
-
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GraniteMoeForCausalLM",), "plugins.granitemoe:GraniteMoeForCausalLM", "moe",
-                      rules=GRANITEMOE_RULES, validate=validate_granitemoe))
+                      rules=GRANITEMOE_RULES, validate=partial(validate_moe, experts_field="num_local_experts")))

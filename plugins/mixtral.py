@@ -56,12 +56,12 @@ def tensor_parallel(config, size: int):
                                                        Shard(r"\.experts\.\d+\.w2\.weight$", "row")))
 
 
-def validate_moe(config) -> None:
+def validate_moe(config, experts_field: str = "num_experts") -> None:
     """The dense checks, plus the routing fields (raise ValueError naming the field)."""
     validate(config)
-    experts, top_k = config.num_experts, config.num_experts_per_tok
+    experts, top_k = getattr(config, experts_field), config.num_experts_per_tok
     if not 0 < top_k <= experts:
-        raise ValueError(f"config.num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        raise ValueError(f"config.num_experts_per_tok={top_k} must be in 1..{experts_field}={experts}")
 
 
 @hookimpl
