@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_paths import twice
+from test_kernels import paged_step
 from zoo import kernels
 from zoo.layers.attention import Attention
 
@@ -54,25 +55,6 @@ def test_bf16_linear_is_not_the_float32_kernel_on_the_raw_bits():
     torch.testing.assert_close(kernels.linear(x, w), x @ w.float().T, rtol=1e-5, atol=1e-5)
 
 
-def paged_batch(lengths, done, cache, blocks, bs):
-    from zoo.runtime.batch import ForwardBatch
-
-    starts, seq, slots, pos = [0], [], [], []
-    for r, n in enumerate(lengths):
-        new = range(done[r], n)
-        pos += list(new)
-        slots += [blocks[r][p // bs] * bs + p % bs for p in new]
-        starts.append(starts[-1] + len(new))
-        seq.append(n)
-    width = max(len(b) for b in blocks)
-    return ForwardBatch(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq, dtype=torch.int32),
-        positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32),
-        logits_indices=torch.tensor([0]), kv_caches={"attn": cache}, block_size=bs, query_start_loc_cpu=starts,
-        seq_lens_cpu=seq)
-
-
 @pytest.mark.parametrize("d", [32, 64, 80])
 @pytest.mark.parametrize("window", [None, 5])
 def test_bf16_cache_attention_equals_float32_on_the_rounded_values(d, window):
@@ -92,10 +74,10 @@ def test_bf16_cache_attention_equals_float32_on_the_rounded_values(d, window):
         t = sum(n - a for n, a in zip(lengths, done))
         q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
         kr, vr = k.to(BF16).float(), v.to(BF16).float()
-        batch = paged_batch(lengths, done, half, blocks, bs)
+        batch = paged_step(lengths, done, half, blocks, bs)
         got = twice(lambda: kernels.attention(q, k, v, half, batch, scale=d ** -0.5, sliding_window=window,
                                               softcap=None))
-        want = attn(q, kr, vr, full, paged_batch(lengths, done, full, blocks, bs))
+        want = attn(q, kr, vr, full, paged_step(lengths, done, full, blocks, bs))
         assert torch.equal(got, want)
         done = lengths
     assert torch.equal(half.float(), full), "the bfloat16 cache does not hold k and v rounded to nearest even"

@@ -102,7 +102,7 @@ def test_rotary_rejects_a_position_outside_the_table():
         kernels.rotary(q, k, torch.tensor([0, 8]), cos, sin)
 
 
-def paged_step(rng, lengths, done, cache, blocks, bs):
+def paged_step(lengths, done, cache, blocks, bs):
     """A ForwardBatch where request r brings tokens done[r] .. lengths[r] - 1."""
     starts, seq, slots, pos = [0], [], [], []
     for r, n in enumerate(lengths):
@@ -141,7 +141,7 @@ def test_attention_matches_the_torch_path(d, window, softcap):
         for path, cache in caches.items():
             kernels.set_enabled(path == "kernels")
             try:
-                out[path] = attn(q, k, v, cache, paged_step(rng, lengths, done, cache, blocks, bs))
+                out[path] = attn(q, k, v, cache, paged_step(lengths, done, cache, blocks, bs))
             finally:
                 kernels.set_enabled(True)
         torch.testing.assert_close(out["kernels"], out["torch"], rtol=1e-5, atol=1e-5)
@@ -158,7 +158,7 @@ def test_attention_without_a_cache_matches_the_torch_path(d, window):
     and the per-token one (3), equal the torch path."""
     attn = Attention(num_heads=6, num_kv_heads=2, head_dim=d, scale=d ** -0.5, sliding_window=window, prefix="attn")
     lengths = [9, 3, 17]
-    batch = paged_step(random.Random(0), lengths, [0, 0, 0], None, [[0] * 5] * 3, 4)
+    batch = paged_step(lengths, [0, 0, 0], None, [[0] * 5] * 3, 4)
     q, k, v = torch.randn(29, 6, d), torch.randn(29, 2, d), torch.randn(29, 2, d)
     out = {}
     for path in ("kernels", "torch"):
@@ -171,10 +171,8 @@ def test_attention_without_a_cache_matches_the_torch_path(d, window):
 
 
 def test_attention_is_the_same_on_two_threads():
-    rng = random.Random(0)
     cache = torch.zeros(40, 4, 2, 3, 64)
-    batch = paged_step(rng, [30, 7, 21], [0, 0, 0], cache, [list(range(0, 10)), list(range(10, 20)),
-                                                            list(range(20, 30))], 4)
+    batch = paged_step([30, 7, 21], [0, 0, 0], cache, [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))], 4)
     q, k, v = torch.randn(58, 9, 64), torch.randn(58, 3, 64), torch.randn(58, 3, 64)
     twice(lambda: kernels.attention(q, k, v, cache, batch, scale=0.125, sliding_window=None, softcap=None))
 
