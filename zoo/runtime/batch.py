@@ -103,21 +103,20 @@ class ForwardBatch:
     def states_for(self, prefix: str) -> tuple[torch.Tensor, ...] | None:
         """The state tensors [S, *shape] of the recurrent layer built at `prefix`; None when the batch carries
         no states at all (whole prompts from a zero state). MissingCache when only this one is absent."""
-        if not self.ssm_states:
-            return None
-        states = self.ssm_states.get(prefix)
-        if states is None:
-            raise MissingCache(f"batch.ssm_states has no state for {prefix!r} (it has {len(self.ssm_states)} others); "
-                               f"allocate one for every module whose cache_spec() is a StateSpec")
-        return states
+        return _entry(self.ssm_states, "ssm_states", prefix, "state", "whose cache_spec() is a StateSpec")
 
     def cache_for(self, prefix: str) -> torch.Tensor | None:
         """The cache [NB, BS, *per_token] of the module built at `prefix`; None when the batch carries no
         caches at all (whole prompts, nothing cached or kept). MissingCache when only this one is absent."""
-        if not self.kv_caches:
-            return None
-        cache = self.kv_caches.get(prefix)
-        if cache is None:
-            raise MissingCache(f"batch.kv_caches has no cache for {prefix!r} (it has {len(self.kv_caches)} others); "
-                               f"allocate one for every module with cache_spec()")
-        return cache
+        return _entry(self.kv_caches, "kv_caches", prefix, "cache", "with cache_spec()")
+
+
+def _entry(table: dict | None, field: str, prefix: str, what: str, which: str):
+    """table[prefix]; None when the table is empty; MissingCache naming the field when only this entry is absent."""
+    if not table:
+        return None
+    entry = table.get(prefix)
+    if entry is None:
+        raise MissingCache(f"batch.{field} has no {what} for {prefix!r} (it has {len(table)} others); "
+                           f"allocate one for every module {which}")
+    return entry
