@@ -119,19 +119,10 @@ class ModelRunner:
 
         dev = self.device
         states = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled] if self.ssm_states else []
-        if self.device_path:  # every field in one host buffer, copied to the device once
-            qsl_t, seq_t, positions_t, slots_t, tables_t, rows_t, input_ids, states_t = one_copy(
-                dev, qsl, seq_lens, positions, slots, flat_tables, sample_rows + prompt_rows, ids, states)
-            qsl_t, seq_t, tables_t = qsl_t.to(torch.int32), seq_t.to(torch.int32), tables_t.to(torch.int32)
-        else:
-            qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
-            seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-            positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
-            slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-            tables_t = torch.tensor(flat_tables, dtype=torch.int32, device=dev)
-            rows_t = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
-            input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
-            states_t = torch.tensor(states, dtype=torch.int64, device=dev)
+        # every field in one host buffer (copied to a device once)
+        qsl_t, seq_t, positions_t, slots_t, tables_t, rows_t, input_ids, states_t = one_copy(
+            dev, qsl, seq_lens, positions, slots, flat_tables, sample_rows + prompt_rows, ids, states)
+        qsl_t, seq_t, tables_t = qsl_t.to(torch.int32), seq_t.to(torch.int32), tables_t.to(torch.int32)
         batch = ForwardBatch(
             query_start_loc=qsl_t,
             seq_lens=seq_t,
