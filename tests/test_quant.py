@@ -160,3 +160,93 @@ def test_blocks_into_a_float_only_layer_or_with_a_nan_scale_are_findings(files, 
     with pytest.raises(LoadError) as e:
         _build(bad, config, quantized=True)
     assert "nonfinite" in str(e.value) and "model.embed_tokens.weight" in str(e.value)
+
+
+# -- int8 activations (cpu.cpp's "int8 activations": decode GEMV, M <= 4, Q4_0 / Q4_1 / Q8_0) ----------------
+
+def _int8_reference(x: torch.Tensor, w: torch.Tensor, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, the scale of each term of y's sum, dx [M, K / 32]) of the int8 path computed in torch: x quantised per
+    32 as the kernel does (dx = max|x| / 127, qx = round(x / dx) to nearest even, sx = dx sum qx), the blocks'
+    integers read from their bytes, y = sum over blocks (dw dx) sum qw qx + mw sx in float64."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    dx = blocks.abs().amax(-1) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    qx = torch.round(blocks * inv[..., None])
+    sx = dx * qx.sum(-1)
+    raw = w.view(-1, qtype.block_bytes)
+    dw = raw[:, 0:2].contiguous().view(torch.float16).float().view(-1)
+    if qtype.name == "Q8_0":
+        qw, mw = raw[:, 2:].contiguous().view(torch.int8).float(), torch.zeros_like(dw)
+    else:
+        qs = raw[:, 4 if qtype.name == "Q4_1" else 2:].int()
+        qw = torch.cat([qs & 15, qs >> 4], 1).float()
+        mw = raw[:, 2:4].contiguous().view(torch.float16).float().view(-1) if qtype.name == "Q4_1" else -8 * dw
+    n = raw.shape[0] * 32 // k
+    qw, dw, mw = qw.view(n, k // 32, 32), dw.view(n, k // 32), mw.view(n, k // 32)
+    idot = torch.einsum("mbl,nbl->mnb", qx.double(), qw.double())  # exact integers
+    terms = (dw[None] * dx[:, None]).double() * idot + mw[None].double() * sx[:, None].double()
+    return terms.sum(-1), terms.abs().sum(-1), dx
+
+
+@pytest.fixture
+def int8_on():
+    if not kernels.enabled():
+        pytest.skip("native kernels off: the int8 path is native only")
+    was = kernels.set_int8(True)
+    yield
+    kernels.set_int8(was)
+
+
+@pytest.mark.parametrize("code", [2, 3, 8])
+def test_int8_activations_equal_their_torch_reference_and_stay_within_the_rounding_bound(code, int8_on):
+    """The kernel against (1) the same integers and scales computed in torch (float32 rounding apart), and (2) float32
+    math on the dequantised weights, within the stated bound of x's rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2.
+    Odd sizes (17 blocks of 32, 70 rows), M = 1..4, 1 and 2 threads equal; a corrupted block scale breaks (2)."""
+    qtype, rng = QUANT_TYPES[code], np.random.default_rng(code)
+    rows, cols = 70, 544
+    w = _random_blocks(qtype, rows, cols, rng)
+    w.quant = QuantLayout((rows, cols), ((0, rows, qtype),))
+    deq = w.quant.dequantize(w).double()
+    n = torch.get_num_threads()
+    with torch.no_grad():
+        for m in (1, 2, 3, 4):
+            x = torch.randn(m, cols) * torch.linspace(0.1, 3, cols)  # blocks of different scales
+            want, size, dx = _int8_reference(x, w, qtype)
+            torch.set_num_threads(1)
+            one = kernels.qlinear(x, w)
+            torch.set_num_threads(max(2, n))
+            got = kernels.qlinear(x, w)
+            torch.set_num_threads(n)
+            assert torch.equal(one, got), (qtype.name, m)  # any thread count: the same bits
+            assert ((got.double() - want).abs() <= 1e-6 * size + 1e-30).all(), (qtype.name, m)
+            bound = deq.abs() @ dx.double().repeat_interleave(32, 1).T / 2  # [N, M]: x's rounding, at most dx / 2
+            err = (got.double() - x.double() @ deq.T).abs()
+            slack = 1e-5 * (x.double().abs() @ deq.abs().T)  # float32 rounding of both sides
+            assert (err <= bound.T + slack).all(), (qtype.name, m, float((err - bound.T).max()))
+            assert err.max() > 0.05 * bound.max()  # (the bound is not vacuous: x's rounding shows)
+        bad = w.clone()  # a mutant: every block scale of rows 0..9 doubled (a wrong scale read)
+        scales = bad.view(rows, -1, qtype.block_bytes)[:10, :, 0:2]
+        scales.copy_((scales.contiguous().view(torch.float16) * 2).view(torch.uint8))
+        bad.quant = w.quant
+        x = torch.randn(1, cols)
+        _, _, dx = _int8_reference(x, w, qtype)
+        err = (kernels.qlinear(x, bad).double() - x.double() @ deq.T).abs()[0]
+        bound = deq.abs() @ dx.double().repeat_interleave(32, 1)[0] / 2 + 1e-5 * (deq.abs() @ x.double().abs()[0])
+        assert (err[:10] > bound[:10]).any() and (err[10:] <= bound[10:]).all()
+
+
+def test_int8_activations_over_row_segments_and_only_for_few_rows(int8_on):
+    """A weight of a Q4_1 and a Q8_0 segment (the path per segment); M = 5 keeps float32 math (the panel GEMM)."""
+    rng = np.random.default_rng(7)
+    q41, q80 = QUANT_TYPES[3], QUANT_TYPES[8]
+    w = torch.cat([_random_blocks(q41, 20, 96, rng), _random_blocks(q80, 12, 96, rng)])
+    w.quant = layout_for((32, 96), [(0, 20, q41), (20, 32, q80)])
+    ref = w.quant.dequantize(w).double()
+    with torch.no_grad():
+        x = torch.randn(2, 96)
+        got = kernels.qlinear(x, w).double()
+        want = torch.cat([_int8_reference(x, w[:20 * 3 * 20], q41)[0], _int8_reference(x, w[20 * 3 * 20:], q80)[0]], 1)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        x5 = torch.randn(5, 96)
+        assert (kernels.qlinear(x5, w).double() - x5.double() @ ref.T).abs().max() < 1e-5 * (x5.abs().sum())

@@ -52,6 +52,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _on = os.environ.get("ZOO_FAST", "1") != "0"
 _device_path = os.environ.get("ZOO_DEVICE_PATH", "0") == "1"  # the device code path forced on the CPU
+_int8 = os.environ.get("ZOO_QUANT_INT8", "0") == "1"  # int8 activations in the Q4_0 / Q4_1 / Q8_0 GEMV
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
@@ -69,6 +70,7 @@ _SIGNATURES = {
                           _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I, _P, _P],
     "zoo_qlinear": [_P, _L, _L, _P, _P, _P, _L, _I],
     "zoo_qembed": [_P, _L, _P, _P, _I],
+    "zoo_set_int8": [_I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
     "zoo_mamba2_mix": [_P, _L, _L, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P, _P, _L,
@@ -79,7 +81,7 @@ _SIGNATURES = {
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
-_RESTYPES = {"zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
+_RESTYPES = {"zoo_set_int8": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
              "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
@@ -142,6 +144,22 @@ def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.numel(), h)
     _lib.zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), threads())
     return out.view(*ids.shape, h)
+
+
+def set_int8(on: bool) -> bool:
+    """int8 activations in the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights: cpu.cpp's "int8
+    activations") on or off for this process; returns the previous setting. Off by default (float32 math on the
+    dequantised values for every type); `ZOO_QUANT_INT8=1` in the environment turns it on."""
+    global _int8
+    previous, _int8 = _int8, bool(on)
+    if _lib is not None:
+        _lib.zoo_set_int8(int(_int8))
+    return previous
+
+
+def int8() -> bool:
+    """Whether the block GEMV quantises x to int8 (set_int8)."""
+    return _int8
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
@@ -263,6 +281,7 @@ def _load() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, _RESTYPES.get(name)
+        lib.zoo_set_int8(int(_int8))
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
         warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)

@@ -959,11 +959,180 @@ static long qmat_rows(const QMat& w) {
     return n;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// int8 activations (decode, M <= 4; Q4_0, Q4_1, Q8_0 weights): each row of x is quantised once per call, per
+// block of 32, as llama.cpp's Q8_1: dx = max|x| / 127, qx = round(x / dx) (to nearest even; x times the float
+// 1 / dx), and sx = dx sum qx. A weight block (dw, qw, and Q4_1's minimum mw; Q4_0 as qw - 8, i.e. mw = -8 dw)
+// then gives y += (dw dx) sum qw qx + mw sx, the sum of products in integers (exact: u8 x s8 products summed
+// in pairs into int16, _mm256_maddubs_epi16, |pair| <= 2 * 128 * 127 < 2^15; then into int32, _mm256_madd_epi16),
+// one float multiply-add per block (8 lanes, summed at the end of the row). Against float32 math on the
+// dequantised weights the error is that of x's rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2 (+ float32
+// rounding), tests/test_quant.py checks both. Off by default (zoo_set_int8; ZOO_QUANT_INT8=1 turns it on,
+// zoo/kernels/__init__.py); the K-quants and M > 4 keep float32 math either way.
+static int g_int8 = 0;
+extern "C" int zoo_set_int8(int on) {
+    const int was = g_int8;
+    if (on >= 0) g_int8 = on;
+    return was;
+}
+
+struct XQ {  // x quantised: q [M, K] int8, d and s [M, K / 32]
+    const int8_t* q;
+    const float *d, *s;
+    long K;
+};
+
+static void quantize_rows(const float* x, long M, long ldx, long K, int8_t* q, float* d, float* s) {
+    for (long m = 0; m < M; m++)
+        for (long j = 0; j < K / 32; j++) {
+            const float* xr = x + m * ldx + j * 32;
+            float amax = 0.0f;
+            for (int l = 0; l < 32; l++) amax = std::max(amax, std::fabs(xr[l]));
+            const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+            int8_t* qr = q + m * K + j * 32;
+            int sum = 0;
+            for (int l = 0; l < 32; l++) {
+                const int v = (int)std::nearbyint(xr[l] * id);  // (the default rounding: to nearest even)
+                qr[l] = (int8_t)v;
+                sum += v;
+            }
+            d[m * (K / 32) + j] = dx;
+            s[m * (K / 32) + j] = dx * (float)sum;
+        }
+}
+
+// the 32 integer products of one block summed into 8 int32 lanes (as 8 floats): weight bytes wq (unsigned, or
+// signed when SIGNED: Q8_0) against the activation bytes xq (signed)
+#if defined(__AVX2__)
+template <bool SIGNED>
+static inline __m256 idot32(__m256i wq, __m256i xq) {
+    __m256i p;
+    if constexpr (SIGNED) p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    else p = _mm256_maddubs_epi16(wq, xq);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+template <int T, int MB>
+static inline void qdot_int8(const uint8_t* row, long K, const XQ& x, float* y, long ldy, float bias) {
+    constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+    const long nb = K / 32;
+#if defined(__AVX2__)
+    constexpr int A = MB == 1 ? 2 : 1;  // accumulators per row of x (two chains of multiply-adds for one row)
+    __m256 acc[A][MB];
+    float off[MB];
+    for (int m = 0; m < MB; m++) {
+        off[m] = 0.0f;
+        for (int a = 0; a < A; a++) acc[a][m] = _mm256_setzero_ps();
+    }
+    for (long bi = 0; bi < nb; bi++) {
+        const uint8_t* b = row + bi * BB;
+        const int a = A == 1 ? 0 : (int)(bi & 1);
+        __m256i wq;
+        if constexpr (T == Q8_0) {
+            wq = _mm256_loadu_si256((const __m256i*)(b + 2));
+        } else {
+            const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (T == Q4_1 ? 4 : 2))), lo4 = _mm_set1_epi8(0xF);
+            wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
+        }
+        const float dw = half_to_float(b);
+        const float mw = T == Q4_1 ? half_to_float(b + 2) : -8.0f * dw;
+        for (int m = 0; m < MB; m++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q + m * x.K + bi * 32));
+            const __m256 p = idot32<T == Q8_0>(wq, xq);
+            acc[a][m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[m * nb + bi]), p, acc[a][m]);
+            if constexpr (T != Q8_0) off[m] = std::fma(mw, x.s[m * nb + bi], off[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        __m256 t = acc[0][m];
+        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[a][m]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        float v[4];
+        _mm_storeu_ps(v, h);
+        y[m * ldy] = ((v[0] + v[2]) + (v[1] + v[3])) + off[m] + bias;
+    }
+#else  // the same integers and scales, one block at a time (no AVX2: a portable loop, not tuned)
+    for (int m = 0; m < MB; m++) {
+        float acc = 0.0f, off = 0.0f;
+        for (long bi = 0; bi < nb; bi++) {
+            const uint8_t* b = row + bi * BB;
+            const int8_t* xq = x.q + m * x.K + bi * 32;
+            int sum = 0;
+            for (int l = 0; l < 32; l++) {
+                const int w = T == Q8_0 ? (int)(int8_t)b[2 + l]
+                                        : (int)((b[(T == Q4_1 ? 4 : 2) + (l & 15)] >> (l < 16 ? 0 : 4)) & 0xF);
+                sum += w * xq[l];
+            }
+            const float dw = half_to_float(b);
+            acc = std::fma(dw * x.d[m * nb + bi], (float)sum, acc);
+            if (T != Q8_0) off = std::fma(T == Q4_1 ? half_to_float(b + 2) : -8.0f * dw, x.s[m * nb + bi], off);
+        }
+        y[m * ldy] = acc + off + bias;
+    }
+#endif
+}
+
+template <int T>
+static void qlinear_int8_t(const uint8_t* w, long n0, long n1, long K, const XQ& x, long M, const float* b,
+                           float* y, long ldy) {
+    const long rb = q_row_bytes(T, K), nb = K / 32;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t* wr = w + n * rb;
+        const float bias = b ? b[n] : 0.0f;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) {
+            const XQ xm{x.q + m * K, x.d + m * nb, x.s + m * nb, K};
+            qdot_int8<T, 4>(wr, K, xm, y + m * ldy + n, ldy, bias);
+        }
+        const XQ xm{x.q + m * K, x.d + m * nb, x.s + m * nb, K};
+        switch (M - m) {
+            case 1: qdot_int8<T, 1>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
+            case 2: qdot_int8<T, 2>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
+            case 3: qdot_int8<T, 3>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
+        }
+    }
+}
+
+static bool int8_types(const QMat& w) {
+    if (!g_int8 || w.K % 32) return false;
+    for (long s = 0; s < w.nseg; s++)
+        if (w.type[s] != Q4_0 && w.type[s] != Q4_1 && w.type[s] != Q8_0) return false;
+    return true;
+}
+
+static void qlinear_int8(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy,
+                         int threads) {
+    const long N = qmat_rows(w), K = w.K;
+    static thread_local std::vector<int8_t> q_store;
+    static thread_local std::vector<float> ds_store;
+    int8_t* q = room(q_store, M * K + 32);
+    float* d = room(ds_store, 2 * M * (K / 32) + 2);
+    float* s = d + M * (K / 32);
+    quantize_rows(x, M, ldx, K, q, d, s);
+    const XQ xq{q, d, s, K};
+    paired_ranges(N, 16, threads, [&](long n0, long n1) {
+        long first = 0;
+        for (long g = 0; g < w.nseg; first += w.rows[g], g++) {
+            const long a = std::max(n0, first), e = std::min(n1, first + w.rows[g]);
+            if (a >= e) continue;
+            const float* bb = b ? b + first : nullptr;
+            switch (w.type[g]) {
+                case Q4_0: qlinear_int8_t<Q4_0>(w.data[g], a - first, e - first, K, xq, M, bb, y + first, ldy); break;
+                case Q4_1: qlinear_int8_t<Q4_1>(w.data[g], a - first, e - first, K, xq, M, bb, y + first, ldy); break;
+                case Q8_0: qlinear_int8_t<Q8_0>(w.data[g], a - first, e - first, K, xq, M, bb, y + first, ldy); break;
+            }
+        }
+    });
+}
+
 static void qlinear(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy, int nt,
                     long path_m) {
     const long N = qmat_rows(w), K = w.K;
     const int threads = N * K >= 65536 ? nt : 1;
     if (path_m <= 4) {
+        if (int8_types(w)) return qlinear_int8(x, M, ldx, w, b, y, ldy, threads);
         static thread_local std::vector<float> xs_store;
         const long ldxs = K / 32;
         float* xs = room(xs_store, M * ldxs + 1);
