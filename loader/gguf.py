@@ -324,12 +324,13 @@ class GGUFSource(Source):
     def order(self, key: str) -> tuple:
         return ("", self._tensors[key][2])
 
-    def read_into(self, key: str, out: torch.Tensor) -> int:
+    def read_into(self, key: str, out: torch.Tensor, each=None) -> int:
         """A kept-quantised tensor: its blocks, rows unpermuted like the float path's (a block row is a weight
-        row), into `out` (uint8 [rows, row bytes]); any other: dequantised as get() reads it."""
+        row), into `out` (uint8 [rows, row bytes]); any other: dequantised as get() reads it. each: as
+        Source.read_into (called once, on `out`)."""
         info = self.info(key)
         if info.quant is None:
-            return super().read_into(key, out)
+            return super().read_into(key, out, each)
         row = info.quant.row_bytes(info.shape[-1])
         if len(info.shape) != 2 or tuple(out.shape) != (info.shape[0], row) or out.dtype is not torch.uint8:
             raise ValueError(f"{key}: a {info.quant.name} {list(info.shape)} tensor goes into uint8 "
@@ -344,6 +345,8 @@ class GGUFSource(Source):
             raw = raw.reshape(heads, info.shape[0] // heads // 2, 2, row).swapaxes(1, 2).reshape(info.shape[0], row)
         out.numpy()[...] = raw  # (numpy: a read-only mapping is not a torch tensor's storage)
         self._release(offset, info.shape[0] * row)
+        if each is not None:
+            each(out)
         return info.nbytes
 
     def _release(self, offset: int, nbytes: int) -> None:

@@ -92,11 +92,13 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                                                    else (0, layout.shape[0])))
         else:
             dest = e.region.view(storage[e.param])
+        bad = []  # the plain path's count: per piece as the source reads it, while the piece is in the cache
         try:
             if e.slice is not None:  # this rank's rows (cols) only, narrowed before anything is read
                 n = source.read_slice_into(e.key, dest, e.slice.dim, e.slice.start, e.slice.stop)
             elif e.transform is None:
-                n = source.read_into(e.key, dest)
+                n = source.read_into(e.key, dest, each=(lambda part: bad.append(nonfinite(part)))
+                                     if check_finite and e.quant is None else None)
             else:  # read in the checkpoint's layout, rearranged into the parameter's
                 held = torch.empty(e.shape, dtype=dest.dtype, device=dest.device)
                 n = source.read_into(e.key, held)
@@ -106,7 +108,9 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
                                        f"({err.strerror or type(err).__name__})")]) from None
         if not check_finite:
             return n, 0
-        return n, (nonfinite_blocks(dest, e.quant) * e.quant.block if e.quant is not None else nonfinite(dest))
+        if e.quant is not None:
+            return n, nonfinite_blocks(dest, e.quant) * e.quant.block
+        return n, sum(bad) if e.slice is None and e.transform is None else nonfinite(dest)
 
     entries = sorted(p.entries, key=lambda e: source.order(e.key))
     # A few threads fault pages in parallel (the copies release the GIL); results are taken in order.

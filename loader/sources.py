@@ -24,6 +24,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy
@@ -40,6 +41,7 @@ SAFETENSORS_DTYPES = {
 }
 SHARD_NAME = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
 WINDOW = 64 << 20  # bytes of a file mapped at once by read_into
+PIECE = 1 << 20  # bytes read_into preads before handing them to each(), which finds them in the cache
 HEADER_LIMIT = 100_000_000  # bytes of a safetensors header at most (safetensors' own limit)
 INDEX_LIMIT = 64 << 20  # bytes of an index file at most
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -94,9 +96,13 @@ class Source:
     def get(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def read_into(self, key: str, out: torch.Tensor) -> int:
-        """Copy tensor `key` into `out` (same shape, any dtype/device); returns the bytes read."""
+    def read_into(self, key: str, out: torch.Tensor, each: Callable[[torch.Tensor], None] | None = None) -> int:
+        """Copy tensor `key` into `out` (same shape, any dtype/device); returns the bytes read. each(part) is
+        called on the parts of `out` as they are filled (here: once, on `out`; a source that reads in pieces
+        calls it per piece, while the piece is still in the cache: the loader's NaN/Inf check)."""
         out.copy_(self.get(key))
+        if each is not None:
+            each(out)
         return self.info(key).nbytes
 
     def read_slice_into(self, key: str, out: torch.Tensor, dim: int, start: int, stop: int) -> int:
@@ -149,26 +155,34 @@ class SafetensorsSource(Source):
             return torch.empty(info.shape, dtype=info.dtype)
         return _typed(self._map(key), info)
 
-    def read_into(self, key: str, out: torch.Tensor) -> int:
+    def read_into(self, key: str, out: torch.Tensor, each: Callable[[torch.Tensor], None] | None = None) -> int:
         """Copy (and cast) the tensor into `out` through mappings of at most WINDOW bytes each, unmapped
-        at once: a load never holds more than a window of mapped file pages on top of its weights."""
+        at once: a load never holds more than a window of mapped file pages on top of its weights.
+        each(part): called on each block of rows of `out` once it is filled (Source.read_into)."""
         info = self.info(key)
         _, begin, end = self._where[key]
         if end == begin:
             return 0
         if out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous():
             # pread straight into the destination: one kernel copy from the page cache, no mapping of the
-            # source and no user-space page faults (the reader threads overlap the destination's faults)
+            # source and no user-space page faults (the reader threads overlap the destination's faults);
+            # in blocks of rows of about PIECE bytes, each handed to each() while it is still in the cache
             path, _, _ = self._where[key]
             dst = memoryview(out.view(-1).view(torch.uint8).numpy())
             fd = self._fd(path)
-            done = 0
-            while done < end - begin:
-                n = os.preadv(fd, [dst[done:]], begin + done)
-                if n == 0:
-                    raise SourceError([Problem("file", key, info.file, None,
-                                               f"{info.file} ends inside {key} (truncated file)")])
-                done += n
+            rows = out.shape[0] if out.dim() > 1 else 1
+            row_bytes = (end - begin) // rows
+            step = max(1, PIECE // row_bytes) * row_bytes
+            for start in range(0, end - begin, step):
+                stop, done = min(start + step, end - begin), start
+                while done < stop:
+                    n = os.preadv(fd, [dst[done:stop]], begin + done)
+                    if n == 0:
+                        raise SourceError([Problem("file", key, info.file, None,
+                                                   f"{info.file} ends inside {key} (truncated file)")])
+                    done += n
+                if each is not None:
+                    each(out[start // row_bytes: stop // row_bytes] if out.dim() > 1 else out)
             return end - begin
         rows = info.shape[0] if info.shape else 1
         row_bytes = (end - begin) // max(rows, 1)
@@ -178,6 +192,8 @@ class SafetensorsSource(Source):
             with self._window(key, begin + r * row_bytes, begin + (r + n) * row_bytes) as src:
                 part = _typed(src, TensorInfo((n, *info.shape[1:]) if info.shape else (), info.dtype, info.file))
                 (out[r: r + n] if info.shape else out).copy_(part)
+        if each is not None:
+            each(out)
         return end - begin
 
     def read_slice_into(self, key: str, out: torch.Tensor, dim: int, start: int, stop: int) -> int:

@@ -303,6 +303,35 @@ def test_nonfinite_in_bfloat16_found_and_counted(ckpt):
             ("model.norm.weight", 1, "model.norm.weight")])]
 
 
+def test_pieces_read_the_same_bits_and_find_every_nonfinite(ckpt, monkeypatch):
+    # the pread path reads (and checks) blocks of rows of about sources.PIECE bytes: with pieces of a row or two,
+    # the bfloat16 parameters equal, bit for bit, the file's tensors and a load read in one piece per tensor, and
+    # NaN/Inf in the first and the last row of a matrix are each found and counted
+    import loader.sources
+
+    rewrite(ckpt / "model.safetensors", lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    on_disk = load_file(ckpt / "model.safetensors")
+    loaded = {}
+    for piece in (1 << 62, 100):  # one piece per tensor; a row (or the part of one) per piece
+        monkeypatch.setattr(loader.sources, "PIECE", piece)
+        model = hf_meta(ckpt, torch.bfloat16)
+        load(model, ckpt, check_finite=True)
+        loaded[piece] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, t in loaded[100].items():
+        assert t.view(torch.int16).equal(loaded[1 << 62][n].view(torch.int16)), n
+        if n in on_disk:
+            assert t.view(torch.int16).equal(on_disk[n].view(torch.int16)), n
+
+    def poison(t):
+        t["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+        t["model.layers.0.mlp.down_proj.weight"][-1, -3:] = float("inf")
+    rewrite(ckpt / "model.safetensors", poison)
+    with pytest.raises(LoadError) as e:
+        load(hf_meta(ckpt, torch.bfloat16), ckpt, check_finite=True)
+    assert problems_of(e) == ["nonfinite: model.layers.0.mlp.down_proj.weight in model.safetensors has 4 NaN/Inf "
+                              "values (-> model.layers.0.mlp.down_proj.weight)"]
+
+
 def test_huge_finite_bfloat16_is_not_nonfinite(ckpt):
     # finite values whose row sum overflows are not NaN/Inf: the exact count decides
     rewrite(ckpt / "model.safetensors", lambda t: t.update(
