@@ -291,6 +291,114 @@ def _light_proof(entry: Path) -> dict | None:
     return proof(entry, ref) if ref is not None else None
 
 
+DIR_FORMAT = 1  # bump when what a directory's start-cache manifest holds changes
+
+
+def _dir_key(files: ModelFiles) -> str | None:
+    """The start-cache key of a model directory: the cache format, the transformers version, the directory's
+    resolved path, and the name and sha256 of every config / tokenizer file in it (SIDE_FILES: any edit, added or
+    removed file makes another key); None when one cannot be read (the start then reads them as usual)."""
+    import importlib.metadata
+
+    key = hashlib.sha256(f"{DIR_FORMAT}|{importlib.metadata.version('transformers')}|"
+                         f"{files.directory.resolve()}|".encode())
+    try:
+        for name in SIDE_FILES:
+            f = files.directory / name
+            if os.path.lexists(f):  # (regular files inside the directory: resolve_model checked them)
+                key.update(f"{name}|{_sha256(f)}|".encode())
+    except OSError:
+        return None
+    return key.hexdigest()
+
+
+def _dir_cache(files: ModelFiles) -> dict | None:
+    """The start-cache manifest of a Hugging Face model directory (zoo.paths.cache_dir('dir')/<key>.json): its
+    config as transformers reads it (to_dict(), None when a CachedConfig would not answer as the transformers
+    config does) and the `light` tokenizer section (None unless proved equal, light_tokenizer.proof), written on
+    the first start (with transformers) and used while every file hashes to the key. Anything malformed is
+    written again; None when the cache cannot be written (or the directory is a hub snapshot: its files are
+    immutable blobs, but the same holds: keyed by content)."""
+    import json
+
+    key = _dir_key(files)
+    if key is None:
+        return None
+    out = paths.cache_dir("dir") / f"{key[:32]}.json"
+    manifest = _dir_entry(out, key)
+    if manifest is not None:
+        return manifest
+    config = None
+    if (files.directory / "config.json").exists():  # (a --tokenizer directory may have none)
+        try:
+            config = _plain_config(read_config(files.directory, files.name))  # (what the uncached start reads)
+        except ConfigError:
+            return None  # (load_config, uncached, says what is wrong)
+    from zoo.runtime.light_tokenizer import proof
+
+    light = None
+    if any((files.directory / f).exists() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        try:
+            light = proof(files.directory, AutoTokenizer.from_pretrained(files.directory))
+        except Exception:  # noqa: BLE001 - (load_tokenizer, next, says what is wrong with it)
+            light = None
+    manifest = {"format": DIR_FORMAT, "key": key, "source": str(files.directory.resolve()),
+                "config": config, "light": light}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, sort_keys=True)
+        os.replace(tmp, out)
+    except OSError:
+        return None  # read-only cache: read every time
+    return json.loads(json.dumps(manifest))  # (as a later start reads it back)
+
+
+def _dir_entry(out: Path, key: str) -> dict | None:
+    """The manifest at `out` when it parses and names this key and format, else None."""
+    import json
+
+    from loader.problems import SourceError
+    from loader.sources import check_file
+
+    try:
+        if not out.is_file():
+            return None
+        check_file(out, out.parent)
+        manifest = json.loads(out.read_bytes())
+        if not (isinstance(manifest, dict) and manifest.get("format") == DIR_FORMAT and manifest.get("key") == key
+                and (manifest.get("config") is None or isinstance(manifest["config"], dict)
+                     and isinstance(manifest["config"].get("model_type"), str))):
+            return None
+        return {"config": manifest.get("config"), "light": manifest.get("light")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, SourceError):
+        return None
+
+
+def _plain_config(config) -> dict | None:
+    """config.to_dict() with the class's attribute aliases (attribute_map) written out, when a CachedConfig of it
+    answers as `config` does: a text config (no text_config) whose class adds no properties; else None."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    cls = type(config)
+    props = [n for k in cls.__mro__ if issubclass(k, PretrainedConfig) and k is not PretrainedConfig
+             for n, v in vars(k).items() if isinstance(v, property)]
+    values = config.to_dict()
+    if props or "text_config" in values or not isinstance(values.get("model_type"), str):
+        return None
+    for alias in getattr(cls, "attribute_map", {}) or {}:
+        values.setdefault(alias, getattr(config, alias, None))
+    try:
+        return json.loads(json.dumps(values))
+    except (TypeError, ValueError):
+        return None
+
+
 class CachedConfig:
     """A GGUF's config read back from the cache manifest: the attributes of the transformers config it was
     converted to (its full to_dict()), without importing transformers' config classes. Read-only use:
@@ -302,6 +410,11 @@ class CachedConfig:
             self.id2label = {int(k) if str(k).lstrip("-").isdigit() else k: v for k, v in values["id2label"].items()}
         self._version = self.__dict__.pop("transformers_version", None)  # to_dict's; the attribute is None there
         self.transformers_version = None
+        if isinstance(values.get("dtype"), str):  # to_dict's name of transformers' torch.dtype
+            import torch
+
+            self.dtype = getattr(torch, values["dtype"]) if isinstance(getattr(torch, values["dtype"], None),
+                                                                       torch.dtype) else values["dtype"]
 
     @property
     def rope_scaling(self):  # transformers' alias of rope_parameters
@@ -309,6 +422,8 @@ class CachedConfig:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("_version", "transformers_version")}
+        if out.get("dtype") is not None and not isinstance(out["dtype"], str):
+            out["dtype"] = str(out["dtype"]).removeprefix("torch.")
         return out if self._version is None else {**out, "transformers_version": self._version}
 
     def get_text_config(self, *args, **kwargs):
@@ -328,9 +443,15 @@ def _source_dir(files: ModelFiles) -> tuple[Path, dict]:
 
 
 def load_config(files: ModelFiles, *, light: bool = False):
-    """The model's config (validated). light=True: for a GGUF whose cache entry is valid, a CachedConfig from
-    the manifest (no transformers import); otherwise, and by default, the transformers config."""
+    """The model's config (validated). light=True: for a GGUF whose cache entry is valid, or a directory whose
+    start-cache entry holds its config (_dir_cache), a CachedConfig from the manifest (no transformers import);
+    otherwise, and by default, the transformers config."""
     try:
+        if light and not files.is_gguf:
+            manifest = _dir_cache(files)
+            if manifest is not None and manifest["config"] is not None:
+                validate_config(manifest["config"], files.name)
+                return CachedConfig(manifest["config"])
         if light and files.is_gguf:
             cached = _gguf_cache(files)
             config = cached[1]["config"] if cached is not None else None
@@ -464,6 +585,14 @@ def load_tokenizer(files: ModelFiles):
 
             tok = LightTokenizer.from_manifest(cached[0], cached[1].get("light"))  # (proved equal: no transformers)
             tok = tok if tok is not None else _cached_tokenizer(cached[0])  # else its own class, directly
+            if tok is not None:
+                return tok
+    else:
+        manifest = _dir_cache(files)
+        if manifest is not None:
+            from zoo.runtime.light_tokenizer import LightTokenizer
+
+            tok = LightTokenizer.from_manifest(files.directory, manifest["light"])  # (None: not proved equal)
             if tok is not None:
                 return tok
     directory, kw = _source_dir(files)
