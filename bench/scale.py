@@ -14,7 +14,8 @@ embeddings, llama3 rope) is built once by transformers, on the meta device and t
     zoo        zoo.build.build_model(dir, dtype=bfloat16): config, the model on meta, the strict load (every
                weight read straight into the buffer the kernels stream, in reading order), and the model runner's
                packing step (nothing left to do: the load packed it), until every weight is usable
-    Time from the end of imports; peak RSS above the post-import baseline, against the weights' bytes.
+    Time from the end of imports (the plugin registry's import of the plugins too: printed apart); peak RSS above
+    the post-import baseline, against the weights' bytes.
 (2) batch-1 decode with `--dtype bfloat16` (an LLM on the same folder, the fused native step), ms per token,
     against the floor: the weights' bytes read per token (every matrix and the tied head once) at the read
     bandwidth measured just before each sample (torch.sum over 1 GiB, bench/generate.py's bandwidth_gbs).
@@ -112,6 +113,11 @@ def run_one(name: str, path: Path, threads: int) -> dict:
         import transformers  # imports are not loading (zoo/build.py reads the config through transformers)
 
         transformers.AutoConfig, transformers.LlamaConfig  # (transformers imports lazily, on first use)
+        from registry import get_registry
+
+        t = time.perf_counter()
+        get_registry()  # the plugins imported (imports too; reported apart: 'registry_s')
+        registry_s = time.perf_counter() - t
     base = rss_mb()
     t0 = time.perf_counter()
     if name == "zoo":
@@ -120,7 +126,8 @@ def run_one(name: str, path: Path, threads: int) -> dict:
         packed = kernels.pack_weights(model)  # what the model runner does next: nothing left to copy
         weights = list(model.parameters())
         extra = {"packed_bytes": packed, "weight_bytes": sum(p.numel() * p.element_size() for p in weights),
-                 "copied": [p.data_ptr() for p in weights] != loaded_at}
+                 "copied": [p.data_ptr() for p in weights] != loaded_at, "registry_s": registry_s,
+                 "loader_s": report.seconds}
     elif name == "pages":  # what any loader pays on top of the read: fresh memory for the weights, faulted in
         from zoo import kernels
 
@@ -251,13 +258,20 @@ def main(argv=None) -> int:
           f"{', '.join(f'{x:.2f}x' for x in load_ratios)}; RSS / weights per round "
           f"{', '.join(f'{x:.2f}x' for x in rss_ratios)}; the runner's pack step copied "
           f"{'nothing (loaded packed)' if not any(z['copied'] for z in zoo) else 'the weights again'}; fresh pages: "
-          f"{pages_s} s, of which in huge pages {huge_mb} MB of {wbytes / 2**20:.0f}")
+          f"{pages_s} s, of which in huge pages {huge_mb} MB of {wbytes / 2**20:.0f}; of zoo's time, loader.load "
+          f"(plan, reads, NaN/Inf check) {joined(z['loader_s'] for z in zoo)} s, the rest (config, model on meta, "
+          f"pack) {joined(z['seconds'] - z['loader_s'] for z in zoo)} s; the plugin registry, imported before "
+          f"the clock starts: {joined(z['registry_s'] for z in zoo)} s")
     if not args.skip_decode:
         print(f"(2) samples: zoo {', '.join(f'{m:.1f}' for m in d['ms'])} ms/token; read bandwidth "
               f"{', '.join(f'{g:.1f}' for g in d['gbs'])} GB/s; floor / zoo per sample "
               f"{', '.join(f'{r:.0%}' for r in ratios)}; {d['weight_bytes'] / 1e9:.2f} GB read per token; "
               f"step: {d['step_path']}")
     return 0
+
+
+def joined(xs) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
 
 
 def verdict(ok: bool) -> str:
