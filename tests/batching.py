@@ -125,3 +125,26 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float =
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got - want).abs().max().item()
     assert err <= atol, f"{what}: max |zoo - transformers| = {err:.3g} > {atol} (logits up to {want.abs().max():.3g})"
+
+
+
+def decode_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits [len(tokens) - prompt_len, V]: tokens[:prompt_len] as one prefill, then the rest fed one token a step
+    (batch-1 decode, M = 1: the GEMV paths); row i predicts tokens[prompt_len + i] (teacher forcing; row 0 is the
+    prefill's last row)."""
+    steps = [[(0, prompt_len)]] + [[(0, 1)]] * (len(tokens) - prompt_len - 1)
+    chunks = run_schedule(model, [tokens[:-1]], steps, blocks_per_seq=64)[0]  # (up to 256 tokens)
+    return torch.cat([chunks[0][-1:]] + chunks[1:])
+
+
+def agreement(model, reference, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
+    """Top-1 agreement and KL(reference || model) at every position of the continuations (the reference's greedy
+    tokens, say), teacher-forced through both models; all but the first position of each are batch-1 decode steps.
+    {"top1", "kl_mean", "kl_max", "positions"}."""
+    agree, kls = 0, []
+    for p, c in zip(prompts, continuations):
+        want = decode_logits(reference, list(p) + list(c), len(p)).double().log_softmax(-1)
+        got = decode_logits(model, list(p) + list(c), len(p)).double().log_softmax(-1)
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        kls += (want.exp() * (want - got)).sum(-1).tolist()
+    return {"top1": agree / len(kls), "kl_mean": sum(kls) / len(kls), "kl_max": max(kls), "positions": len(kls)}
