@@ -15,8 +15,8 @@ batch-1 greedy decode and peak memory, both in this one run.
     their barriers, so on a shared box one round takes 20 ms/token and the next 450 (a core taken by another
     process), and a median of per-round ratios would credit zoo with that collapse. A fourth row: the same
     quantized model with int8 activations in its block GEMV (kernels.set_int8, opt-in `ZOO_QUANT_INT8=1`:
-    llama.cpp's scheme; top-1 agreement and KL against float32 are measured by tests/test_smollm2.py). Skipped, with the reason,
-    when llama.cpp is not built (`python bench/llamacpp.py --build-only` builds it under zoo's cache; this
+    llama.cpp's scheme; top-1 agreement and KL against float32 are measured by tests/test_smollm2.py). Skipped,
+    with the reason, when llama.cpp is not built (`python bench/llamacpp.py --build-only` builds it under zoo's cache; this
     script never does).
 (2) peak RSS of a process that loads the model and generates 16 tokens, above a bare process that imports
     torch and transformers, against the GGUF file's size; quantized and float32, each in its own child
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                         f"{', '.join(f'{r:.2f}' for r in c_ratios)})",
                         f"<= {GOALS['llamacpp']}x", "met" if c_ratio <= GOALS["llamacpp"] else "NOT met"))
         i_ratio = min(i_ms) / min(c_ms)
-        rows.insert(3, ("  int8 activations vs llama.cpp, best of each", f"{i_ratio:.2f}x", "", f"<= {GOALS['llamacpp']}x",
+        rows.insert(3, ("  int8 activations vs llama.cpp, best of each", f"{i_ratio:.2f}x", "",
+                        f"<= {GOALS['llamacpp']}x",
                         "met" if i_ratio <= GOALS["llamacpp"] else "NOT met"))
     else:
         rows.insert(2, ("decode ms/token, llama.cpp (same file)", "-", f"skipped: {cpp_missing}", "", ""))

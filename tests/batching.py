@@ -127,7 +127,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float =
     assert err <= atol, f"{what}: max |zoo - transformers| = {err:.3g} > {atol} (logits up to {want.abs().max():.3g})"
 
 
-
 def decode_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Logits [len(tokens) - prompt_len, V]: tokens[:prompt_len] as one prefill, then the rest fed one token a step
     (batch-1 decode, M = 1: the GEMV paths); row i predicts tokens[prompt_len + i] (teacher forcing; row 0 is the

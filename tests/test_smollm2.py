@@ -95,8 +95,8 @@ def test_quantized_default_model_answers_as_the_float32_one(llm, qllm):
 
 def test_int8_activations_agree_with_float32_at_top1(llm, qllm):
     """The block GEMV with int8 activations (kernels.set_int8; decode steps of <= 4 rows) against the float32 model:
-    top-1 agreement and the KL within INT8's bounds, teacher-forced on float32's greedy tokens, over the README's question
-    (24 tokens) and 16 ragged prompts (8 each): every position but each prompt's first is a batch-1 decode step."""
+    top-1 agreement and the KL within INT8's bounds, teacher-forced on float32's greedy tokens, over the README's
+    question (24 tokens) and 16 ragged prompts (8 each): every position but each prompt's first is a batch-1 decode step."""
     from batching import agreement
 
     ids = qllm.apply_chat_template([{"role": "user", "content": QUESTION}])

@@ -81,8 +81,8 @@ _SIGNATURES = {
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
-_RESTYPES = {"zoo_set_int8": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int, "zoo_llama_forward": ctypes.c_int,
-             "zoo_mla_decode": ctypes.c_int,
+_RESTYPES = {"zoo_set_int8": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
+             "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
@@ -155,11 +155,6 @@ def set_int8(on: bool) -> bool:
     if _lib is not None:
         _lib.zoo_set_int8(int(_int8))
     return previous
-
-
-def int8() -> bool:
-    """Whether the block GEMV quantises x to int8 (set_int8)."""
-    return _int8
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:

@@ -959,7 +959,6 @@ static long qmat_rows(const QMat& w) {
     return n;
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // int8 activations (decode, M <= 4; Q4_0, Q4_1, Q8_0 weights): each row of x is quantised once per call, per
 // block of 32, as llama.cpp's Q8_1: dx = max|x| / 127, qx = round(x / dx) (to nearest even; x times the float
