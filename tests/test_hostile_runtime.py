@@ -155,7 +155,8 @@ def test_nan_logits_end_the_request_with_an_error_not_token_zero_for_ever(tiny):
                 logits[i] = math.nan
 
     llm.engine.runner.logits_hook = poison
-    for params in (SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
+    for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)):
         ok, bad = llm.generate([[4, 5, 6], [7, 8]], params)
         assert bad.finish_reason == "error" and bad.token_ids == [] and "NaN" in bad.stop_reason
         assert ok.finish_reason == "length" and len(ok.token_ids) == params.max_tokens
