@@ -27,35 +27,92 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// v16 / i16: 16 float / int32 lanes. With AVX-512 a GCC vector (one zmm register). Without it GCC has no register
+// mode for a 64-byte vector and keeps every such variable in memory (each operation a store and a reload: the float32
+// GEMV ran 2.2x slower than on 8-lane halves, bench/kernels.py on an AVX2-only EPYC), so there v16 is a pair of 8-lane
+// halves (lanes 0-7, 8-15) with the same lane-wise operators: the same results, to the bit. Code on v16 uses
+// only what both forms have: lane-wise operators (with a scalar on either side), reading lane i, select(mask, a, b)
+// for the lane-wise conditional, to_i16 / as_v16 for conversion / reinterpretation, lo8 / hi8 for the halves.
+#if defined(__AVX512F__)
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
 static inline v16 load(const float* p) { return *(const v16u*)p; }
 static inline void store(float* p, v16 v) { *(v16u*)p = v; }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16 splat(float x) { return (v16){} + x; }
+static inline i16 splat_i(int32_t x) { return (i16){} + x; }
+template <typename M, typename V> static inline V select(M mask, V a, V b) { return mask ? a : b; }
+static inline i16 to_i16(v16 v) { return __builtin_convertvector(v, i16); }  // (truncating, as a C cast)
+static inline v16 as_v16(i16 v) { return (v16)v; }
+static inline v8 lo8(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 hi8(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+template <typename H>
+struct Pair {
+    H lo, hi;
+    auto operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+};
+typedef Pair<v8> v16;
+typedef Pair<i8> i16;
+template <typename T> struct is_pair { static constexpr bool value = false; };
+template <typename H> struct is_pair<Pair<H>> { static constexpr bool value = true; };
+#define ZOO_PAIR_OP(op)                                                                                      \
+    template <typename H> static inline auto operator op(Pair<H> a, Pair<H> b) {                             \
+        return Pair<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi};                                     \
+    }                                                                                                        \
+    template <typename H, typename S, typename = typename std::enable_if<!is_pair<S>::value>::type>          \
+    static inline auto operator op(Pair<H> a, S b) { return Pair<decltype(a.lo op b)>{a.lo op b, a.hi op b}; } \
+    template <typename S, typename H, typename = typename std::enable_if<!is_pair<S>::value>::type>          \
+    static inline auto operator op(S a, Pair<H> b) { return Pair<decltype(a op b.lo)>{a op b.lo, a op b.hi}; }
+ZOO_PAIR_OP(+) ZOO_PAIR_OP(-) ZOO_PAIR_OP(*) ZOO_PAIR_OP(/) ZOO_PAIR_OP(&) ZOO_PAIR_OP(|) ZOO_PAIR_OP(<<)
+ZOO_PAIR_OP(<) ZOO_PAIR_OP(>) ZOO_PAIR_OP(<=) ZOO_PAIR_OP(>=) ZOO_PAIR_OP(==) ZOO_PAIR_OP(!=)
+#undef ZOO_PAIR_OP
+template <typename H> static inline Pair<H> operator-(Pair<H> a) { return {-a.lo, -a.hi}; }
+template <typename H> static inline Pair<H>& operator|=(Pair<H>& a, Pair<H> b) { return a = a | b; }
+static inline v16 load(const float* p) { return {*(const v8u*)p, *(const v8u*)(p + 8)}; }
+static inline void store(float* p, v16 v) { *(v8u*)p = v.lo, *(v8u*)(p + 8) = v.hi; }
+static inline v16 splat(float x) { return {(v8){} + x, (v8){} + x}; }
+static inline i16 splat_i(int32_t x) { return {(i8){} + x, (i8){} + x}; }
+template <typename M, typename V> static inline V select(Pair<M> mask, V a, V b) {
+    return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi};
+}
+static inline i16 to_i16(v16 v) { return {__builtin_convertvector(v.lo, i8), __builtin_convertvector(v.hi, i8)}; }
+static inline v16 as_v16(i16 v) { return {(v8)v.lo, (v8)v.hi}; }
+static inline v8 lo8(v16 v) { return v.lo; }
+static inline v8 hi8(v16 v) { return v.hi; }
+#endif
+static inline i16 load_i(const int32_t* p) {  // 16 int32 lanes from memory
+    i16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 // bfloat16 (the upper half of a float32): weights and KV caches of bfloat16 models. Read by widening, which is
 // exact (16 values: a zero-extending load and a shift, vpmovzxwd + vpslld on AVX2 / AVX-512); the arithmetic is
 // float32 throughout. Stored (KV cache rows) rounded to nearest even, as torch's .to(torch.bfloat16).
 typedef uint16_t bf16;
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 static inline v16 load(const bf16* p) {
 #if defined(__AVX512F__)  // one vpmovzxwd from memory to 512 bits (the generic form below becomes two 256-bit
     // conversions and an insert where the compiler prefers 256-bit vectors: 4 shuffle-port ops per 16 values, which
     // capped a bfloat16 GEMV at ~8 bytes a cycle)
     return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 #else
-    return (v16)(__builtin_convertvector(*(const u16x16*)p, u32x16) << 16);
+    return {(v8)(__builtin_convertvector(*(const u16x8*)p, u32x8) << 16),
+            (v8)(__builtin_convertvector(*(const u16x8*)(p + 8), u32x8) << 16)};
 #endif
 }
 static inline float to_f32(float x) { return x; }
@@ -81,30 +138,21 @@ static inline void widen(const W* src, long n, float* dst) {
 }
 
 // a * b + c with one rounding
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    __m256 a0, a1, b0, b1, c0, c1;
-    memcpy(&a0, &a, 32); memcpy(&a1, (const char*)&a + 32, 32);
-    memcpy(&b0, &b, 32); memcpy(&b1, (const char*)&b + 32, 32);
-    memcpy(&c0, &c, 32); memcpy(&c1, (const char*)&c + 32, 32);
-    c0 = _mm256_fmadd_ps(a0, b0, c0);
-    c1 = _mm256_fmadd_ps(a1, b1, c1);
-    v16 r;
-    memcpy(&r, &c0, 32); memcpy((char*)&r + 32, &c1, 32);
-    return r;
-#else
-    return a * b + c;
-#endif
-}
-
 // a * b + c with one rounding, 8 lanes
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #if defined(__FMA__)
     return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
+#endif
+}
+
+// a * b + c with one rounding
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    return {fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)};
 #endif
 }
 
@@ -119,8 +167,7 @@ static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 // sum of the 16 lanes, in a fixed tree order
 static inline float hsum(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8 a = lo8(v) + hi8(v);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -134,8 +181,8 @@ static inline float hmax(v16 v) {
 // e^x, Cephes' single-precision polynomial (about 1 ulp); 0 below -87.3, finite above 88.3
 static inline v16 exp16(v16 x) {
     const v16 lo = splat(-87.3365447505531f), hi = splat(88.3f), magic = splat(12582912.0f);
-    v16 xc = x < lo ? lo : x;
-    xc = xc > hi ? hi : xc;
+    v16 xc = select(x < lo, lo, x);
+    xc = select(xc > hi, hi, xc);
     v16 n = fma16(xc, splat(1.44269504088896341f), magic) - magic;  // round(x / ln 2)
     v16 r = fma16(n, splat(-0.693359375f), xc);
     r = fma16(n, splat(2.12194440e-4f), r);
@@ -146,9 +193,9 @@ static inline v16 exp16(v16 x) {
     p = fma16(p, r, splat(1.6666665459e-1f));
     p = fma16(p, r, splat(5.0000001201e-1f));
     v16 y = fma16(p, r * r, r) + splat(1.0f);
-    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;  // 2^n
-    v16 res = y * (v16)bits;
-    return x < lo ? splat(0.0f) : res;
+    i16 bits = (to_i16(n) + 127) << 23;  // 2^n
+    v16 res = y * as_v16(bits);
+    return select(x < lo, splat(0.0f), res);
 }
 
 template <typename C>
@@ -753,7 +800,6 @@ template <int T> constexpr int q_elems() { return T == Q4_K || T == Q5_K || T ==
 template <int T> constexpr bool q_has_off() { return T == Q4_1 || T == Q4_K || T == Q5_K; }
 
 typedef int8_t c8 __attribute__((vector_size(8), aligned(1)));
-typedef int32_t i8 __attribute__((vector_size(32)));
 static inline v8 q8_to_float(const int8_t* q) { return __builtin_convertvector(__builtin_convertvector(*(const c8*)q, i8), v8); }
 static inline v8 load8(const float* p) {
     v8 r;
@@ -822,14 +868,11 @@ static inline v16 widen16(u8x16 q) {
     const __m128i v = (__m128i)q, h = _mm_unpackhi_epi64(v, v);
     const __m256 a = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
     const __m256 c = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
-    v16 r;
-    memcpy(&r, &a, 32);
-    memcpy((char*)&r + 32, &c, 32);
-    return r;
+    return {(v8)a, (v8)c};
 #else
-    v16 r;
+    float r[16];
     for (int i = 0; i < 16; i++) r[i] = SIGNED ? (float)(int8_t)q[i] : (float)q[i];
-    return r;
+    return load(r);
 #endif
 }
 
@@ -1256,9 +1299,9 @@ template <int ACT>
 static inline v16 act16(v16 g) {
     if (ACT == SILU) return g / (splat(1.0f) + exp16(-g));
     const v16 y = splat(0.7978845608028654f) * (g + splat(0.044715f) * (g * g * g));
-    const v16 ay = y < splat(0.0f) ? -y : y;
+    const v16 ay = select(y < splat(0.0f), -y, y);
     const v16 low = splat(2.0f) / (exp16(ay + ay) + splat(1.0f));  // 1 + tanh(-|y|)
-    return splat(0.5f) * g * (y < splat(0.0f) ? low : splat(2.0f) - low);
+    return splat(0.5f) * g * select(y < splat(0.0f), low, splat(2.0f) - low);
 }
 
 template <int ACT>
@@ -1585,7 +1628,7 @@ static void softmax_row(float* r, long L, long Lp, float softcap) {
         for (long j = 0; j < L; j++) r[j] = std::tanh(r[j] / softcap) * softcap;
     for (long j = L; j < Lp; j++) r[j] = -INFINITY;  // exp gives exactly 0
     v16 mv = splat(-INFINITY);
-    for (long j = 0; j < Lp; j += 16) mv = load(r + j) > mv ? load(r + j) : mv;
+    for (long j = 0; j < Lp; j += 16) mv = select(load(r + j) > mv, load(r + j), mv);
     v16 mx = splat(hmax(mv)), sv = splat(0.0f);
     for (long j = 0; j < Lp; j += 16) {
         v16 e = exp16(load(r + j) - mx);
@@ -1681,8 +1724,9 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const C* 
         for (long d = 0; d < D; d++)
             for (long l = 0; l < QB; l++) qt[d * QB + l] = q[std::min(l, n - 1) * q_st + d];
     std::fill(ot, ot + D * QB, 0.0f);
-    i16 pos;
-    for (int l = 0; l < QB; l++) pos[l] = (int32_t)(pos0 + std::min((long)l, n - 1));
+    int32_t pos_l[QB];
+    for (int l = 0; l < QB; l++) pos_l[l] = (int32_t)(pos0 + std::min((long)l, n - 1));
+    const i16 pos = load_i(pos_l);
     v16 m = splat(-INFINITY), sum = splat(0.0f);
     const long last = pos0 + n - 1, first = window > 0 ? std::max(0L, pos0 - window + 1) : 0;
     for (long j0 = first; j0 <= last; j0 += QB) {
@@ -1690,18 +1734,19 @@ static void attend_block(const float* q, long q_st, long n, long pos0, const C* 
         block_scores(qt, D, krows + j0, at_k, nj, st);
         v16 mb = splat(-INFINITY);
         for (long j = 0; j < nj; j++) {
-            v16 sj = load(st + j * QB) * splat(scale);
+            float* sr = st + j * QB;
+            store(sr, load(sr) * splat(scale));
             if (softcap > 0.0f)
-                for (int l = 0; l < QB; l++) sj[l] = std::tanh(sj[l] / softcap) * softcap;
-            const i16 jv = (i16){} + (int32_t)(j0 + j);
+                for (int l = 0; l < QB; l++) sr[l] = std::tanh(sr[l] / softcap) * softcap;
+            const i16 jv = splat_i((int32_t)(j0 + j));
             i16 masked = jv > pos;  // a later position (causal)
             if (window > 0) masked |= jv <= pos - (int32_t)window;
-            sj = masked ? splat(-INFINITY) : sj;
-            store(st + j * QB, sj);
-            mb = sj > mb ? sj : mb;
+            const v16 sj = select(masked, splat(-INFINITY), load(sr));
+            store(sr, sj);
+            mb = select(sj > mb, sj, mb);
         }
-        const v16 m_new = mb > m ? mb : m;
-        const v16 base = m_new == splat(-INFINITY) ? splat(0.0f) : m_new;  // a lane with nothing yet: no NaN
+        const v16 m_new = select(mb > m, mb, m);
+        const v16 base = select(m_new == splat(-INFINITY), splat(0.0f), m_new);  // a lane with nothing yet: no NaN
         const v16 corr = exp16(m - base);
         v16 bsum = splat(0.0f);
         for (long j = 0; j < nj; j++) {
@@ -2041,14 +2086,15 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
     parallel_for(N, 1, N * V >= 65536 ? nt : 1, [&](long i) {
         const float* r = x + i * ld;
         v16 best = splat(-INFINITY);
-        i16 at = (i16){} + 0, lane = (i16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        i16 nan = (i16){} + 0;
+        static const int32_t lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        i16 at = splat_i(0), nan = splat_i(0);
+        const i16 lane = load_i(lanes);
         long j = 0;
         for (; j + 16 <= V; j += 16) {
             v16 v = load(r + j);
             i16 gt = v > best;  // strict: the earliest index keeps a tie
-            best = gt ? v : best;
-            at = gt ? lane + (int32_t)j : at;
+            best = select(gt, v, best);
+            at = select(gt, lane + (int32_t)j, at);
             nan |= v != v;
         }
         bool has_nan = false;
