@@ -162,15 +162,17 @@ def test_blocks_into_a_float_only_layer_or_with_a_nan_scale_are_findings(files, 
     assert "nonfinite" in str(e.value) and "model.embed_tokens.weight" in str(e.value)
 
 
-# -- int8 activations (cpu.cpp's "int8 activations": decode GEMV, M <= 4, Q4_0 / Q4_1 / Q8_0) ----------------
+# -- int8 / int16 activations (cpu.cpp's "int8 activations", "int16 activations": decode GEMV, M <= 4, Q4_0 / Q4_1 /
+# Q8_0) ---------------------------------------------------------------------------------------------------------
 
-def _int8_reference(x: torch.Tensor, w: torch.Tensor, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, the scale of each term of y's sum, dx [M, K / 32]) of the int8 path computed in torch: x quantised per
-    32 as the kernel does (dx = max|x| / 127, qx = round(x / dx) to nearest even, sx = dx sum qx), the blocks'
-    integers read from their bytes, y = sum over blocks (dw dx) sum qw qx + mw sx in float64."""
+def _int8_reference(x: torch.Tensor, w: torch.Tensor, qtype, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """(y, the scale of each term of y's sum, dx [M, K / 32]) of the int8 (int16) path computed in torch: x quantised
+    per 32 as the kernel does (dx = max|x| / 127 (32767), qx = round(x / dx) to nearest even, sx = dx sum qx), the
+    blocks' integers read from their bytes, y = sum over blocks (dw dx) sum qw qx + mw sx in float64."""
     m, k = x.shape
     blocks = x.view(m, k // 32, 32)
-    dx = blocks.abs().amax(-1) / 127
+    dx = blocks.abs().amax(-1) / (2 ** (bits - 1) - 1)
     inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
     qx = torch.round(blocks * inv[..., None])
     sx = dx * qx.sum(-1)
@@ -189,20 +191,21 @@ def _int8_reference(x: torch.Tensor, w: torch.Tensor, qtype) -> tuple[torch.Tens
     return terms.sum(-1), terms.abs().sum(-1), dx
 
 
-@pytest.fixture
-def int8_on():
+@pytest.fixture(params=[8, 16])
+def int_bits(request):
     if not kernels.enabled():
-        pytest.skip("native kernels off: the int8 path is native only")
-    was = kernels.set_int8(True)
-    yield
+        pytest.skip("native kernels off: the integer paths are native only")
+    was = kernels.set_int8(request.param)
+    yield request.param
     kernels.set_int8(was)
 
 
 @pytest.mark.parametrize("code", [2, 3, 8])
-def test_int8_activations_equal_their_torch_reference_and_stay_within_the_rounding_bound(code, int8_on):
-    """The kernel against (1) the same integers and scales computed in torch (float32 rounding apart), and (2) float32
-    math on the dequantised weights, within the stated bound of x's rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2.
-    Odd sizes (17 blocks of 32, 70 rows), M = 1..4, 1 and 2 threads equal; a corrupted block scale breaks (2)."""
+def test_int8_activations_equal_their_torch_reference_and_stay_within_the_rounding_bound(code, int_bits):
+    """The kernel (int8, then int16 activations) against (1) the same integers and scales computed in torch (float32
+    rounding apart), and (2) float32 math on the dequantised weights, within the stated bound of x's rounding:
+    |y - w . x| <= sum_k |w_k| dx(k) / 2, dx = max|x| / 127 (int8) or / 32767 (int16) per 32. Odd sizes (17 blocks
+    of 32, 70 rows), M = 1..4, 1 and 2 threads equal; a corrupted block scale breaks (2)."""
     qtype, rng = QUANT_TYPES[code], np.random.default_rng(code)
     rows, cols = 70, 544
     w = _random_blocks(qtype, rows, cols, rng)
@@ -212,7 +215,7 @@ def test_int8_activations_equal_their_torch_reference_and_stay_within_the_roundi
     with torch.no_grad():
         for m in (1, 2, 3, 4):
             x = torch.randn(m, cols) * torch.linspace(0.1, 3, cols)  # blocks of different scales
-            want, size, dx = _int8_reference(x, w, qtype)
+            want, size, dx = _int8_reference(x, w, qtype, int_bits)
             torch.set_num_threads(1)
             one = kernels.qlinear(x, w)
             torch.set_num_threads(max(2, n))
@@ -222,21 +225,25 @@ def test_int8_activations_equal_their_torch_reference_and_stay_within_the_roundi
             assert ((got.double() - want).abs() <= 1e-6 * size + 1e-30).all(), (qtype.name, m)
             bound = deq.abs() @ dx.double().repeat_interleave(32, 1).T / 2  # [N, M]: x's rounding, at most dx / 2
             err = (got.double() - x.double() @ deq.T).abs()
-            slack = 1e-5 * (x.double().abs() @ deq.abs().T)  # float32 rounding of both sides
+            slack = (1e-5 if int_bits == 8 else 1e-6) * (x.double().abs() @ deq.abs().T)  # float32 rounding
             assert (err <= bound.T + slack).all(), (qtype.name, m, float((err - bound.T).max()))
             assert err.max() > 0.05 * bound.max()  # (the bound is not vacuous: x's rounding shows)
+            if int_bits == 16:  # (and int16 is no int8: 100x under the int8 bound)
+                assert (err <= _int8_reference(x, w, qtype)[2].double().repeat_interleave(32, 1) @ deq.abs().T
+                        / 200 + slack).all()
         bad = w.clone()  # a mutant: every block scale of rows 0..9 doubled (a wrong scale read)
         scales = bad.view(rows, -1, qtype.block_bytes)[:10, :, 0:2]
         scales.copy_((scales.contiguous().view(torch.float16) * 2).view(torch.uint8))
         bad.quant = w.quant
         x = torch.randn(1, cols)
-        _, _, dx = _int8_reference(x, w, qtype)
+        _, _, dx = _int8_reference(x, w, qtype, int_bits)
         err = (kernels.qlinear(x, bad).double() - x.double() @ deq.T).abs()[0]
-        bound = deq.abs() @ dx.double().repeat_interleave(32, 1)[0] / 2 + 1e-5 * (deq.abs() @ x.double().abs()[0])
+        slack = (1e-5 if int_bits == 8 else 1e-6) * (deq.abs() @ x.double().abs()[0])
+        bound = deq.abs() @ dx.double().repeat_interleave(32, 1)[0] / 2 + slack
         assert (err[:10] > bound[:10]).any() and (err[10:] <= bound[10:]).all()
 
 
-def test_int8_activations_over_row_segments_and_only_for_few_rows(int8_on):
+def test_int8_activations_over_row_segments_and_only_for_few_rows(int_bits):
     """A weight of a Q4_1 and a Q8_0 segment (the path per segment); M = 5 keeps float32 math (the panel GEMM)."""
     rng = np.random.default_rng(7)
     q41, q80 = QUANT_TYPES[3], QUANT_TYPES[8]
@@ -246,7 +253,8 @@ def test_int8_activations_over_row_segments_and_only_for_few_rows(int8_on):
     with torch.no_grad():
         x = torch.randn(2, 96)
         got = kernels.qlinear(x, w).double()
-        want = torch.cat([_int8_reference(x, w[:20 * 3 * 20], q41)[0], _int8_reference(x, w[20 * 3 * 20:], q80)[0]], 1)
+        want = torch.cat([_int8_reference(x, w[:20 * 3 * 20], q41, int_bits)[0],
+                          _int8_reference(x, w[20 * 3 * 20:], q80, int_bits)[0]], 1)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         x5 = torch.randn(5, 96)
         assert (kernels.qlinear(x5, w).double() - x5.double() @ ref.T).abs().max() < 1e-5 * (x5.abs().sum())

@@ -52,7 +52,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _on = os.environ.get("ZOO_FAST", "1") != "0"
 _device_path = os.environ.get("ZOO_DEVICE_PATH", "0") == "1"  # the device code path forced on the CPU
-_int8 = os.environ.get("ZOO_QUANT_INT8", "0") == "1"  # int8 activations in the Q4_0 / Q4_1 / Q8_0 GEMV
+# integer activations in the Q4_0 / Q4_1 / Q8_0 GEMV: 0 (float32 math), 8 or 16 bits
+_int8 = 16 if os.environ.get("ZOO_QUANT_INT16", "0") == "1" else 8 * (os.environ.get("ZOO_QUANT_INT8", "0") == "1")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
@@ -146,14 +147,18 @@ def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, h)
 
 
-def set_int8(on: bool) -> bool:
-    """int8 activations in the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights: cpu.cpp's "int8
-    activations") on or off for this process; returns the previous setting. Off by default (float32 math on the
-    dequantised values for every type); `ZOO_QUANT_INT8=1` in the environment turns it on."""
+def set_int8(on: bool | int) -> int:
+    """Integer activations in the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights: cpu.cpp's "int8
+    activations" and "int16 activations") for this process: False / 0 off, True / 8 int8, 16 int16; returns the
+    previous setting as its bits (0, 8 or 16: pass it back to restore). Off by default (float32 math on the
+    dequantised values for every type); `ZOO_QUANT_INT8=1` / `ZOO_QUANT_INT16=1` in the environment turn it on."""
     global _int8
-    previous, _int8 = _int8, bool(on)
+    bits = 8 if on is True else 0 if on is False else int(on)
+    if bits not in (0, 8, 16):
+        raise ValueError(f"set_int8: on must be False, True, 0, 8 or 16, got {on!r}")
+    previous, _int8 = _int8, bits
     if _lib is not None:
-        _lib.zoo_set_int8(int(_int8))
+        _lib.zoo_set_int8(_int8)
     return previous
 
 
@@ -276,7 +281,7 @@ def _load() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, _RESTYPES.get(name)
-        lib.zoo_set_int8(int(_int8))
+        lib.zoo_set_int8(_int8)
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
         warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)
