@@ -207,6 +207,7 @@ def test_int8_activations_equal_their_torch_reference_and_stay_within_the_roundi
     |y - w . x| <= sum_k |w_k| dx(k) / 2, dx = max|x| / 127 (int8) or / 32767 (int16) per 32. Odd sizes (17 blocks
     of 32, 70 rows), M = 1..4, 1 and 2 threads equal; a corrupted block scale breaks (2)."""
     qtype, rng = QUANT_TYPES[code], np.random.default_rng(code)
+    torch.manual_seed(code)  # (x drawn the same every run)
     rows, cols = 70, 544
     w = _random_blocks(qtype, rows, cols, rng)
     w.quant = QuantLayout((rows, cols), ((0, rows, qtype),))
@@ -227,7 +228,8 @@ def test_int8_activations_equal_their_torch_reference_and_stay_within_the_roundi
             err = (got.double() - x.double() @ deq.T).abs()
             slack = (1e-5 if int_bits == 8 else 1e-6) * (x.double().abs() @ deq.abs().T)  # float32 rounding
             assert (err <= bound.T + slack).all(), (qtype.name, m, float((err - bound.T).max()))
-            assert err.max() > 0.05 * bound.max()  # (the bound is not vacuous: x's rounding shows)
+            assert err.max() > 0.02 * bound.max()  # (the bound is not vacuous: x's rounding shows; random
+            # rounding errors add up as sqrt(K) where the bound adds K: measured 0.04-0.1 of it)
             if int_bits == 16:  # (and int16 is no int8: 100x under the int8 bound)
                 assert (err <= _int8_reference(x, w, qtype)[2].double().repeat_interleave(32, 1) @ deq.abs().T
                         / 200 + slack).all()

@@ -1141,10 +1141,11 @@ static void qlinear_int8_t(const uint8_t* w, long n0, long n1, long K, const XQ&
 // max|x| / 32767), so x's rounding, and the bound above, 258x smaller. Why: on SmolLM2-135M (Q4_1, Q8_0 head) int8
 // rounding costs top-1 agreement in every matrix class, none dominant (each alone, 512 teacher-forced positions: the
 // head, gate_up 8 misses, down 6, q/k/v 4, o 3; all: 11-17, 0.967-0.979; KL mean 2e-3), so no per-matrix choice
-// reaches 99%; int16 everywhere: 512 / 512, KL mean 3.3e-8, at ~2-4% more time per token than int8 (the same
-// instructions per block but two loads of x and two madds; README, issue 19). The weights widened to int16 (vpmovzxbw /
-// vpmovsxbw), the products summed in pairs into int32 (_mm256_madd_epi16: |pair| <= 2 * 128 * 32767 < 2^31; a
-// block's 32 <= 2^27), then one float multiply-add per block as above (the int32 sum rounded to float32 there).
+// reaches 99%; int16 everywhere: 512 / 512, KL mean 3.3e-8, at ~0-3% more time per token than int8 (as many
+// instructions per block: two loads of x and two madds for one load, maddubs and madd; README, issue 19). The
+// weights widened to int16 (vpmovzxbw / vpmovsxbw), the products summed in pairs into int32 (_mm256_madd_epi16:
+// |pair| <= 2 * 128 * 32767 < 2^31; a block's 32 <= 2^27), then one float multiply-add per block as above (the int32
+// sum rounded to float32 there).
 struct XQ16 {  // x quantised: q [M, K] int16, d and s [M, K / 32]
     const int16_t* q;
     const float *d, *s;
@@ -1155,16 +1156,39 @@ static void quantize_rows16(const float* x, long M, long ldx, long K, int16_t* q
     for (long m = 0; m < M; m++)
         for (long j = 0; j < K / 32; j++) {
             const float* xr = x + m * ldx + j * 32;
+            int16_t* qr = q + m * K + j * 32;
+            int sum = 0;
+#if defined(__AVX2__)  // the loop below in 8 lanes (the same values: cvtps rounds to nearest even as nearbyint)
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 xv[4], mx = _mm256_setzero_ps();
+            for (int c = 0; c < 4; c++) {
+                xv[c] = _mm256_loadu_ps(xr + 8 * c);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[c]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
+            const float dx = amax / 32767.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+            __m256i tot = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c += 2) {
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(xv[c], _mm256_set1_ps(id)));
+                const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(xv[c + 1], _mm256_set1_ps(id)));
+                tot = _mm256_add_epi32(tot, _mm256_add_epi32(a, e));  // (packs interleaves the 128-bit lanes)
+                _mm256_storeu_si256((__m256i*)(qr + 8 * c), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, e), 0xD8));
+            }
+            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
+            const __m128i t2 = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32(t2, 0xB1)));
+#else
             float amax = 0.0f;
             for (int l = 0; l < 32; l++) amax = std::max(amax, std::fabs(xr[l]));
             const float dx = amax / 32767.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-            int16_t* qr = q + m * K + j * 32;
-            int sum = 0;
             for (int l = 0; l < 32; l++) {  // |x * id| <= 32767 + a few ulps: no clamp needed
                 const int v = (int)std::nearbyint(xr[l] * id);
                 qr[l] = (int16_t)v;
                 sum += v;
             }
+#endif
             d[m * (K / 32) + j] = dx;
             s[m * (K / 32) + j] = dx * (float)sum;
         }
