@@ -210,8 +210,12 @@ def zoo_quantization(files, quantized: bool | None, device: str, tensor_parallel
             raise ParityUsageError(f"cannot keep {files.name}'s blocks quantized: {why}; drop the flag or give "
                                    f"--dtype float32")
         return None, {**record, "note": f"{why}: {record['note']}"}
-    return source, {"mode": "blocks", "file_types": file_types,
-                    "note": f"the zoo side keeps {files.name}'s blocks quantized (block kernels, float32 activations); "
+    from zoo import kernels
+
+    bits = kernels.activation_bits() if kernels.enabled() else 0
+    acts = f"int{bits} activations in the Q4_0 / Q4_1 / Q8_0 decode GEMV" if bits else "float32 math"
+    return source, {"mode": "blocks", "file_types": file_types, "activation_bits": bits,
+                    "note": f"the zoo side keeps {files.name}'s blocks quantized (block kernels, {acts}); "
                             f"the reference dequantizes them to float32"}
 
 

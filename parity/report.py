@@ -5,7 +5,7 @@ the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/In
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
      dtype, seed, "quantization": {"mode": "blocks" (a GGUF's blocks kept on the zoo side) | "dequantized" |
      "none", "file_types": {GGML type: tensors}, "types": {block type: weights kept}, "weights": {parameter:
-     layout}, "note"}, ...}, "prompts": [[ids]], "prompt_texts", "hints",
+     layout}, "activation_bits": 16 | 8 | 0 (float32 math; blocks only), "note"}, ...}, "prompts": [[ids]], "prompt_texts", "hints",
      "inputs": {"notes": [prompts the harness replaced or added], "exercised", "not_exercised": [features]},
      "constants": {"checked": [module constant], "mismatches": [text]},
      "scenarios": {name: {"passed", "description", "failures", "info", "lengths", "first_divergence",

@@ -42,13 +42,14 @@ FAMILY = {
 
 
 # The zoo side on a GGUF's blocks kept quantized (`zoo parity x.gguf`, as `zoo run` runs it) against transformers'
-# dequantized float32 model: the block kernels dequantize in registers and accumulate in float32, so both sides
-# compute float32 math on the same values, in another summation order. Stated on their own (a loosening only:
-# the family's looser bounds stay). Measured on the embedded SmolLM2-135M Q4_1 file, 30 layers, all six
-# scenarios: worst rel_l2 7.5e-6, KL max 6.4e-11, top-1 100% (dequantized to float32: the same orders); on the
-# tiny Q4_1 GGUF of tests/test_parity_quant.py: rel_l2 1.3e-6, KL max 3.7e-14. So the float32 bounds hold as they
-# are; integer (VNNI) kernels, which round the activations, would need their own.
-QUANTIZED = {k: BASE[k] for k in ("rel_l2", "cosine", "kl_max", "kl_mean", "top1", "packing")}
+# dequantized float32 model. The decode GEMV of Q4_0 / Q4_1 / Q8_0 blocks rounds x to int16 per 32 values
+# (kernels.set_activation_bits: |error| <= sum |w| dx / 2, dx = max|x| / 32767, cpu.cpp's "int16 activations");
+# everything else is float32 math on the same values in another summation order. Stated on their own (a
+# loosening only: the family's looser bounds stay), 3x over what was measured on the embedded SmolLM2-135M Q4_1
+# file (30 layers; decode scenario, int16: worst rel_l2 3.2e-4, KL max 2.2e-7, mean 4.8e-8, top-1 100%; float32
+# math, ZOO_QUANT_ACT=0: rel_l2 7.5e-6, KL max 6.4e-11, all six scenarios); int8 activations (ZOO_QUANT_ACT=8,
+# top-1 97% on that file) are outside these bounds by design.
+QUANTIZED = {"rel_l2": 1e-3, "cosine": 1 - 1e-5, "kl_max": 1e-6, "kl_mean": 3e-7, "top1": 1.0, "packing": 1e-3}
 LOOSER_IS_LOWER = ("cosine", "top1", "experts")  # lower bounds: loosening takes the smaller value
 
 

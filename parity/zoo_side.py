@@ -148,7 +148,8 @@ class ZooSide:
     """The zoo model built once (build_model, float32) and run through a fresh engine per scenario.
 
     quantized=True (a GGUF file, or its opened loader source): its block-quantised weights stay as blocks and
-    run on the block kernels (`zoo run`'s default for a GGUF), float32 activations; the reference dequantises.
+    run on the block kernels (`zoo run`'s default for a GGUF: int16 activations in the decode GEMV of Q4_0 / Q4_1 /
+    Q8_0 blocks, kernels.set_activation_bits); the reference dequantises.
 
     tensor_parallel_size=N: rank 0 of a tensor-parallel group (zoo/runtime/distributed.py) whose workers mirror
     every forward and head of every scenario's engine. Its taps are the points where every rank holds the whole

@@ -52,8 +52,12 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _on = os.environ.get("ZOO_FAST", "1") != "0"
 _device_path = os.environ.get("ZOO_DEVICE_PATH", "0") == "1"  # the device code path forced on the CPU
-# integer activations in the Q4_0 / Q4_1 / Q8_0 GEMV: 0 (float32 math), 8 or 16 bits
-_int8 = 16 if os.environ.get("ZOO_QUANT_INT16", "0") == "1" else 8 * (os.environ.get("ZOO_QUANT_INT8", "0") == "1")
+# the activations of the Q4_0 / Q4_1 / Q8_0 decode GEMV (M <= 4): 16 or 8 bits (integers), or 0 (float32 math on the
+# dequantised values); ZOO_QUANT_ACT overrides the default, int16 (set_activation_bits)
+_ACT_BITS = {"16": 16, "8": 8, "0": 0, "float32": 0}
+_act_bits = _ACT_BITS.get(os.environ.get("ZOO_QUANT_ACT", "16"))
+if _act_bits is None:
+    raise ValueError(f"ZOO_QUANT_ACT={os.environ['ZOO_QUANT_ACT']!r}: one of 16, 8, 0 (float32 math)")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
@@ -147,18 +151,23 @@ def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, h)
 
 
-def set_int8(on: bool | int) -> int:
-    """Integer activations in the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights: cpu.cpp's "int8
-    activations" and "int16 activations") for this process: False / 0 off, True / 8 int8, 16 int16; returns the
-    previous setting as its bits (0, 8 or 16: pass it back to restore). Off by default (float32 math on the
-    dequantised values for every type); `ZOO_QUANT_INT8=1` / `ZOO_QUANT_INT16=1` in the environment turn it on."""
-    global _int8
-    bits = 8 if on is True else 0 if on is False else int(on)
-    if bits not in (0, 8, 16):
-        raise ValueError(f"set_int8: on must be False, True, 0, 8 or 16, got {on!r}")
-    previous, _int8 = _int8, bits
+def activation_bits() -> int:
+    """The block GEMV's activations now: 16 or 8 (integer bits), 0 (float32 math); see set_activation_bits."""
+    return _act_bits
+
+
+def set_activation_bits(bits: int) -> int:
+    """The activations of the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights) for this process: 16 (the
+    default: cpu.cpp's "int16 activations", top-1 equal to float32 on the embedded model), 8 ("int8 activations",
+    as llama.cpp's Q8_1: faster on paper, top-1 97%), 0 (float32 math on the dequantised values, as every other
+    type and M > 4 always use); returns the previous setting (pass it back to restore). `ZOO_QUANT_ACT=16|8|0` in
+    the environment sets the default."""
+    global _act_bits
+    if isinstance(bits, bool) or bits not in (0, 8, 16):
+        raise ValueError(f"set_activation_bits: bits must be 0, 8 or 16, got {bits!r}")
+    previous, _act_bits = _act_bits, int(bits)
     if _lib is not None:
-        _lib.zoo_set_int8(_int8)
+        _lib.zoo_set_int8(_act_bits)
     return previous
 
 
@@ -281,7 +290,7 @@ def _load() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, _RESTYPES.get(name)
-        lib.zoo_set_int8(_int8)
+        lib.zoo_set_int8(_act_bits)
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
         warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)
