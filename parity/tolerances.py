@@ -45,11 +45,11 @@ FAMILY = {
 # dequantized float32 model. The decode GEMV of Q4_0 / Q4_1 / Q8_0 blocks rounds x to int16 per 32 values
 # (kernels.set_activation_bits: |error| <= sum |w| dx / 2, dx = max|x| / 32767, cpu.cpp's "int16 activations");
 # everything else is float32 math on the same values in another summation order. Stated on their own (a
-# loosening only: the family's looser bounds stay), 3x over what was measured on the embedded SmolLM2-135M Q4_1
-# file (30 layers; decode scenario, int16: worst rel_l2 3.2e-4, KL max 2.2e-7, mean 4.8e-8, top-1 100%; float32
-# math, ZOO_QUANT_ACT=0: rel_l2 7.5e-6, KL max 6.4e-11, all six scenarios); int8 activations (ZOO_QUANT_ACT=8,
-# top-1 97% on that file) are outside these bounds by design.
-QUANTIZED = {"rel_l2": 1e-3, "cosine": 1 - 1e-5, "kl_max": 1e-6, "kl_mean": 3e-7, "top1": 1.0, "packing": 1e-3}
+# loosening only: the family's looser bounds stay), ~4x over what was measured on the embedded SmolLM2-135M Q4_1
+# file (30 layers, all six scenarios, int16: worst rel_l2 3.2e-4 in decode, 5.0e-4 in packing (alone = int16 GEMV,
+# packed = float32 panels), KL max 2.7e-7, mean 4.8e-8, top-1 100%; float32 math, ZOO_QUANT_ACT=0: rel_l2 7.5e-6,
+# KL max 6.4e-11); int8 activations (ZOO_QUANT_ACT=8, top-1 97% on that file) are outside these bounds by design.
+QUANTIZED = {"rel_l2": 2e-3, "cosine": 1 - 1e-5, "kl_max": 1e-6, "kl_mean": 2e-7, "top1": 1.0, "packing": 2e-3}
 LOOSER_IS_LOWER = ("cosine", "top1", "experts")  # lower bounds: loosening takes the smaller value
 
 

@@ -7,6 +7,10 @@ dequantise, then F.linear).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -268,3 +272,12 @@ def test_int8_activations_over_row_segments_and_only_for_few_rows(int_bits):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         x5 = torch.randn(5, 96)
         assert (kernels.qlinear(x5, w).double() - x5.double() @ ref.T).abs().max() < 1e-5 * (x5.abs().sum())
+
+
+def test_the_activation_setting_is_checked_where_it_is_given():
+    with pytest.raises(ValueError, match="bits must be 0, 8 or 16, got True"):
+        kernels.set_activation_bits(True)
+    assert kernels.activation_bits() == int(os.environ.get("ZOO_QUANT_ACT", "16"))  # (the default: int16)
+    bad = subprocess.run([sys.executable, "-c", "import zoo.kernels"], env={**os.environ, "ZOO_QUANT_ACT": "4"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "ZOO_QUANT_ACT='4': one of 16, 8, 0" in bad.stderr
