@@ -54,7 +54,7 @@ _on = os.environ.get("ZOO_FAST", "1") != "0"
 _device_path = os.environ.get("ZOO_DEVICE_PATH", "0") == "1"  # the device code path forced on the CPU
 # the activations of the Q4_0 / Q4_1 / Q8_0 decode GEMV (M <= 4): 16 or 8 bits (integers), or 0 (float32 math on the
 # dequantised values); ZOO_QUANT_ACT overrides the default, int16 (set_activation_bits)
-_ACT_BITS = {"16": 16, "8": 8, "0": 0, "float32": 0}
+_ACT_BITS = {"16": 16, "8": 8, "0": 0}
 _act_bits = _ACT_BITS.get(os.environ.get("ZOO_QUANT_ACT", "16"))
 if _act_bits is None:
     raise ValueError(f"ZOO_QUANT_ACT={os.environ['ZOO_QUANT_ACT']!r}: one of 16, 8, 0 (float32 math)")
@@ -75,7 +75,7 @@ _SIGNATURES = {
                           _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I, _P, _P],
     "zoo_qlinear": [_P, _L, _L, _P, _P, _P, _L, _I],
     "zoo_qembed": [_P, _L, _P, _P, _I],
-    "zoo_set_int8": [_I],
+    "zoo_set_act_bits": [_I],
     "zoo_attention": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L,
                       _P, _L, _L, _P, _P, _L, _P, _P, _L, _F, _L, _F, _I],
     "zoo_mamba2_mix": [_P, _L, _L, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P, _P, _L,
@@ -86,7 +86,7 @@ _SIGNATURES = {
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
-_RESTYPES = {"zoo_set_int8": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
+_RESTYPES = {"zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
              "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
@@ -167,7 +167,7 @@ def set_activation_bits(bits: int) -> int:
         raise ValueError(f"set_activation_bits: bits must be 0, 8 or 16, got {bits!r}")
     previous, _act_bits = _act_bits, int(bits)
     if _lib is not None:
-        _lib.zoo_set_int8(_act_bits)
+        _lib.zoo_set_act_bits(_act_bits)
     return previous
 
 
@@ -290,7 +290,7 @@ def _load() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, _RESTYPES.get(name)
-        lib.zoo_set_int8(_act_bits)
+        lib.zoo_set_act_bits(_act_bits)
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
         warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)

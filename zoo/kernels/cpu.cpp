@@ -1062,19 +1062,26 @@ static void each_segment(const QMat& w, long n0, long n1, const Fn& fn) {
 // in pairs into int16, _mm256_maddubs_epi16, |pair| <= 2 * 128 * 127 < 2^15; then into int32, _mm256_madd_epi16),
 // one float multiply-add per block (8 lanes, summed at the end of the row). Against float32 math on the
 // dequantised weights the error is that of x's rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2 (+ float32
-// rounding), tests/test_quant.py checks both. Off by default (zoo_set_int8(8); ZOO_QUANT_INT8=1 turns it on,
-// zoo/kernels/__init__.py); the K-quants and M > 4 keep float32 math either way. int16 activations: below.
+// rounding), tests/test_quant.py checks both. Opt-in (zoo_set_act_bits(8): ZOO_QUANT_ACT=8, zoo/kernels/__init__.py;
+// the default is int16, below); the K-quants and M > 4 keep float32 math either way.
 // Speed (batch-1 decode of the embedded Q4_1 default, 2 cores of an AVX2-only EPYC): the hardware prefetcher
 // alone held a core's stream over these short rows at ~5.7 GB/s; each block now prefetches the bytes QPF ahead
 // (7.1 GB/s, one thread; without it the whole step was 1.4x slower). A row's accumulators stay in registers (a
 // runtime index had kept them on the stack), M = 1 takes two rows of Q4_0 / Q4_1 per pass (their offset sums
 // are serial chains), x is quantised 8 lanes at a time (3x faster, the same values): a step 0.72x its time
 // before these (pairs in turn, load 2.7; results equal to the bit).
-static int g_int8 = 0;  // the activations' bits: 0 (float32 math), 8 or 16
-extern "C" int zoo_set_int8(int on) {
-    const int was = g_int8;
-    if (on >= 0) g_int8 = on;
+static int g_act_bits = 0;  // the activations' bits: 0 (float32 math), 8 or 16 (set from Python at load)
+extern "C" int zoo_set_act_bits(int bits) {
+    const int was = g_act_bits;
+    if (bits >= 0) g_act_bits = bits;
     return was;
+}
+
+// value l (0..31) of a Q4_0 / Q4_1 / Q8_0 block as the integer the block stores (the portable integer loops)
+template <int T>
+static inline int block_q(const uint8_t* b, int l) {
+    if constexpr (T == Q8_0) return (int)(int8_t)b[2 + l];
+    else return (b[(T == Q4_1 ? 4 : 2) + (l & 15)] >> (l < 16 ? 0 : 4)) & 0xF;
 }
 
 struct XQ {  // x quantised: q [M, K] int8, ds [M, K / 32, 2]: each block's (dx, sx) side by side
@@ -1215,9 +1222,7 @@ static inline void qdot_int8(const uint8_t* row, long rb, long K, const XQ& x, f
                 const float* ds = x.ds + 2 * (m * nb + bi);
                 int sum = 0;
                 for (int l = 0; l < 32; l++) {
-                    const int w = T == Q8_0 ? (int)(int8_t)b[2 + l]
-                                            : (int)((b[(T == Q4_1 ? 4 : 2) + (l & 15)] >> (l < 16 ? 0 : 4)) & 0xF);
-                    sum += w * xq[l];
+                    sum += block_q<T>(b, l) * xq[l];
                 }
                 const float dw = half_to_float(b);
                 acc = std::fma(dw * ds[0], (float)sum, acc);
@@ -1252,7 +1257,7 @@ static void qlinear_int8_t(const uint8_t* w, long n0, long n1, long K, const XQ&
     }
 }
 
-// int16 activations (zoo_set_int8(16); ZOO_QUANT_INT16=1): the same scheme with x quantised to int16 per 32 (dx =
+// int16 activations (zoo_set_act_bits(16): zoo run's default; ZOO_QUANT_ACT=16): the same scheme with x quantised to int16 per 32 (dx =
 // max|x| / 32767), so x's rounding, and the bound above, 258x smaller. Why: on SmolLM2-135M (Q4_1, Q8_0 head) int8
 // rounding costs top-1 agreement in every matrix class, none dominant (each alone, 512 teacher-forced positions: the
 // head, gate_up 8 misses, down 6, q/k/v 4, o 3; all: 11-17, 0.967-0.979; KL mean 2e-3), so no per-matrix choice
@@ -1364,9 +1369,7 @@ static inline void qdot_int16(const uint8_t* row, long K, const XQ16& x, float* 
             const int16_t* xq = x.q + m * x.K + bi * 32;
             int sum = 0;
             for (int l = 0; l < 32; l++) {
-                const int w = T == Q8_0 ? (int)(int8_t)b[2 + l]
-                                        : (int)((b[(T == Q4_1 ? 4 : 2) + (l & 15)] >> (l < 16 ? 0 : 4)) & 0xF);
-                sum += w * xq[l];
+                sum += block_q<T>(b, l) * xq[l];
             }
             const float dw = half_to_float(b);
             acc = std::fma(dw * x.d[m * nb + bi], (float)sum, acc);
@@ -1420,8 +1423,8 @@ static void qlinear_int16(const float* x, long M, long ldx, const QMat& w, const
     });
 }
 
-static bool int8_types(const QMat& w) {
-    if (!g_int8 || w.K % 32) return false;
+static bool int_act_types(const QMat& w) {  // integer activations on: every segment Q4_0 / Q4_1 / Q8_0
+    if (!g_act_bits || w.K % 32) return false;
     for (long s = 0; s < w.nseg; s++)
         if (w.type[s] != Q4_0 && w.type[s] != Q4_1 && w.type[s] != Q8_0) return false;
     return true;
@@ -1453,8 +1456,8 @@ static void qlinear(const float* x, long M, long ldx, const QMat& w, const float
     const long N = qmat_rows(w), K = w.K;
     const int threads = N * K >= 65536 ? nt : 1;
     if (path_m <= 4) {
-        if (int8_types(w))
-            return g_int8 == 16 ? qlinear_int16(x, M, ldx, w, b, y, ldy, threads)
+        if (int_act_types(w))
+            return g_act_bits == 16 ? qlinear_int16(x, M, ldx, w, b, y, ldy, threads)
                                 : qlinear_int8(x, M, ldx, w, b, y, ldy, threads);
         static thread_local std::vector<float> xs_store;
         const long ldxs = K / 32;
