@@ -10,7 +10,8 @@ read the same files): DeepSeek-V3's structure at a small size, multi-head latent
 `--top-k`, sigmoid routing in 4 groups of which 2 are kept, one shared expert). Workloads, greedy, `--new`
 tokens each, EOS ignored:
     1 x P         one prompt of `--prompt` tokens
-    B ragged      `--batch` prompts of P/4 .. P tokens at once (transformers: left-padded with a mask)
+    R ragged      R prompts of P/4 .. P tokens at once, for each R of `--ragged` (transformers: left-padded
+                  with a mask; 16 ragged: the dense family's ragged workload, see bench/generate_moe.py)
 Rows: the zoo (zoo.LLM: paged latent cache, absorbed decode, continuous batching) and transformers with its
 default experts implementation and with "eager" (transformers caches the up-projected keys and values);
 each timed as the best of `--repeat` runs after a warm-up. ratio = transformers time / zoo time (above 1:
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--q-lora", type=int, default=512, help="q_lora_rank")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ragged", type=int, nargs="+", default=[4, 16], help="ragged workloads: prompts in each")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -86,14 +87,14 @@ def main(argv=None) -> int:
 
     path = checkpoint(args)
     g = torch.Generator().manual_seed(0)
-    lengths = ragged_lengths(args.prompt, args.batch)
-    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in lengths]
+    rows = torch.randint(3, 32000, (max(args.ragged), args.prompt), generator=g)  # [R, P]
+    ragged = [[p[:n].tolist() for p, n in zip(rows, ragged_lengths(args.prompt, r))] for r in args.ragged]
     print(f"DeepSeek-V3, random weights, float32, {torch.get_num_threads()} threads: hidden {args.hidden}, "
           f"{args.hidden // 64} heads, kv_lora_rank {args.latent}, q_lora_rank {args.q_lora}, {args.layers} layers "
           f"(1 dense, MLP {args.intermediate}), {args.experts} experts top-{args.top_k} + 1 shared, expert MLP "
           f"{args.moe_intermediate}; {args.new} new tokens per prompt; load average {os.getloadavg()[0]:.2f}")
-    experts_table(path, [(f"1 x {args.prompt}", prompts[:1]),
-                         (f"{args.batch} ragged {min(lengths)}..{max(lengths)}", prompts)], args.new, args.repeat)
+    experts_table(path, [(f"1 x {args.prompt}", rows[:1].tolist()),
+                         *((f"{len(b)} ragged {len(b[-1])}..{len(b[0])}", b) for b in ragged)], args.new, args.repeat)
     return 0
 
 

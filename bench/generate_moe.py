@@ -7,7 +7,10 @@ The checkpoint is built by transformers with random weights and saved once under
 read the same files). Workloads, greedy, `--new` tokens each, EOS ignored:
     1 x P     one prompt of `--prompt` tokens
     B x P     `--batch` prompts of `--prompt` tokens at once (equal lengths: transformers needs no padding)
-    B ragged  `--batch` prompts of P/4 .. P tokens at once (transformers: left-padded with a mask)
+    R ragged  R prompts of P/4 .. P tokens at once, for each R of `--ragged` (transformers: left-padded with a
+              mask); 16 ragged is the dense family's ragged workload (bench/generate.py (1): 16 requests). At 1
+              and 4 rows a step of either engine reads nearly the same expert weights and zoo's is near the
+              memory's speed, so the ratio there is bounded by how far transformers is from that floor
 Rows: the zoo (zoo.LLM: paged KV, continuous batching, grouped expert dispatch) and transformers with its
 default experts implementation and with "eager"; each timed as the best of `--repeat` runs after a warm-up.
 ratio = transformers time / zoo time (above 1: the zoo is faster). `same tokens` compares greedy outputs
@@ -114,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ragged", type=int, nargs="+", default=[4, 16], help="ragged workloads: prompts in each")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -126,15 +130,14 @@ def main(argv=None) -> int:
 
     path = checkpoint(args)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 32000, (args.batch, args.prompt), generator=g)  # [B, P]
-    lengths = ragged_lengths(args.prompt, args.batch)
+    prompts = torch.randint(3, 32000, (max(args.batch, *args.ragged), args.prompt), generator=g)  # [B, P]
     print(f"Mixtral, random weights, float32, {torch.get_num_threads()} threads: {args.experts} experts top-"
           f"{args.top_k}, hidden {args.hidden}, expert MLP {args.intermediate}, {args.layers} layers; "
           f"{args.new} new tokens per prompt")
+    ragged = [[p[:n].tolist() for p, n in zip(prompts, ragged_lengths(args.prompt, r))] for r in args.ragged]
     experts_table(path, [(f"1 x {args.prompt}", prompts[:1].tolist()),
-                         (f"{args.batch} x {args.prompt}", prompts.tolist()),
-                         (f"{args.batch} ragged {min(lengths)}..{max(lengths)}",
-                          [p[:n].tolist() for p, n in zip(prompts, lengths)])], args.new, args.repeat)
+                         (f"{args.batch} x {args.prompt}", prompts[:args.batch].tolist()),
+                         *((f"{len(b)} ragged {len(b[-1])}..{len(b[0])}", b) for b in ragged)], args.new, args.repeat)
     return 0
 
 
