@@ -158,8 +158,8 @@ def activation_bits() -> int:
 
 def set_activation_bits(bits: int) -> int:
     """The activations of the block GEMV (M <= 4 rows of x; Q4_0, Q4_1, Q8_0 weights) for this process: 16 (the
-    default: cpu.cpp's "int16 activations", top-1 equal to float32 on the embedded model), 8 ("int8 activations",
-    as llama.cpp's Q8_1: faster on paper, top-1 97%), 0 (float32 math on the dequantised values, as every other
+    default: cpu.cpp's "int8 / int16 activations", top-1 equal to float32 on the embedded model), 8 (int8, as
+    llama.cpp's Q8_1: faster, top-1 97%), 0 (float32 math on the dequantised values, as every other
     type and M > 4 always use); returns the previous setting (pass it back to restore). `ZOO_QUANT_ACT=16|8|0` in
     the environment sets the default."""
     global _act_bits

@@ -1055,21 +1055,31 @@ static void each_segment(const QMat& w, long n0, long n1, const Fn& fn) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// int8 activations (decode, M <= 4; Q4_0, Q4_1, Q8_0 weights): each row of x is quantised once per call, per
-// block of 32, as llama.cpp's Q8_1: dx = max|x| / 127, qx = round(x / dx) (to nearest even; x times the float
-// 1 / dx), and sx = dx sum qx. A weight block (dw, qw, and Q4_1's minimum mw; Q4_0 as qw - 8, i.e. mw = -8 dw)
-// then gives y += (dw dx) sum qw qx + mw sx, the sum of products in integers (exact: u8 x s8 products summed
-// in pairs into int16, _mm256_maddubs_epi16, |pair| <= 2 * 128 * 127 < 2^15; then into int32, _mm256_madd_epi16),
-// one float multiply-add per block (8 lanes, summed at the end of the row). Against float32 math on the
-// dequantised weights the error is that of x's rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2 (+ float32
-// rounding), tests/test_quant.py checks both. Opt-in (zoo_set_act_bits(8): ZOO_QUANT_ACT=8, zoo/kernels/__init__.py;
-// the default is int16, below); the K-quants and M > 4 keep float32 math either way.
+// int8 / int16 activations (decode, M <= 4; Q4_0, Q4_1, Q8_0 weights): each row of x is quantised once per call,
+// per block of 32, to integers X: int8 as llama.cpp's Q8_1, dx = max|x| / 127, or int16, dx = max|x| / 32767;
+// qx = round(x / dx) (to nearest even; x times the float 1 / dx), and sx = dx sum qx. A weight block (dw, qw, and
+// Q4_1's minimum mw; Q4_0 as qw - 8, i.e. mw = -8 dw) then gives y += (dw dx) sum qw qx + mw sx, the sum of
+// products in integers, exact: int8, u8 x s8 products summed in pairs into int16 (_mm256_maddubs_epi16,
+// |pair| <= 2 * 128 * 127 < 2^15), then into int32 (_mm256_madd_epi16); int16, the weights widened to int16
+// (vpmovzxbw / vpmovsxbw), the products summed in pairs into int32 (_mm256_madd_epi16: |pair| <= 2 * 128 * 32767
+// < 2^31; a block's 32 <= 2^27, rounded to float32 in the multiply-add); then one float multiply-add per block (8
+// lanes, summed at the end of the row). Against float32 math on the dequantised weights the error is that of x's
+// rounding: |y - w . x| <= sum_k |w_k| dx(k) / 2 (+ float32 rounding), 258x smaller with int16; tests/test_quant.py
+// checks both. zoo_set_act_bits picks (ZOO_QUANT_ACT, zoo/kernels/__init__.py): 16, zoo run's default; 8, opt-in;
+// 0 float32 math, which the K-quants and M > 4 keep either way.
+// Why int16: on SmolLM2-135M (Q4_1, Q8_0 head) int8 rounding costs top-1 agreement in every matrix class, none
+// dominant (each alone, 512 teacher-forced positions: the head, gate_up 8 misses, down 6, q/k/v 4, o 3; all: 11-17,
+// 0.967-0.979; KL mean 2e-3), so no per-matrix choice reaches 99%; int16 everywhere: 512 / 512, KL mean 3.3e-8
+// (README, issue 19), at 1.15-1.18x int8's time per token (bench/quant.py; a block of int16 x takes two loads of
+// x and two madds where int8 takes one load, a maddubs and a madd, and x is twice the bytes).
 // Speed (batch-1 decode of the embedded Q4_1 default, 2 cores of an AVX2-only EPYC): the hardware prefetcher
 // alone held a core's stream over these short rows at ~5.7 GB/s; each block now prefetches the bytes QPF ahead
 // (7.1 GB/s, one thread; without it the whole step was 1.4x slower). A row's accumulators stay in registers (a
 // runtime index had kept them on the stack), M = 1 takes two rows of Q4_0 / Q4_1 per pass (their offset sums
-// are serial chains), x is quantised 8 lanes at a time (3x faster, the same values): a step 0.72x its time
-// before these (pairs in turn, load 2.7; results equal to the bit).
+// are serial chains), x is quantised 8 lanes at a time (3x faster, the same values): an int8 step 0.72x its time
+// before these (pairs in turn, load 2.7; results equal to the bit). int16 took the same code (it had one row of
+// w a pass): its step 0.97x, the GEMVs alone 0.93x (5.86 -> 5.67 ms/token, medians of 5 bench/quant.py runs in
+// turn, load 0.9-1.7; results equal to the bit: each row's arithmetic, and the lanes of idot32, are unchanged).
 static int g_act_bits = 0;  // the activations' bits: 0 (float32 math), 8 or 16 (set from Python at load)
 extern "C" int zoo_set_act_bits(int bits) {
     const int was = g_act_bits;
@@ -1084,16 +1094,20 @@ static inline int block_q(const uint8_t* b, int l) {
     else return (b[(T == Q4_1 ? 4 : 2) + (l & 15)] >> (l < 16 ? 0 : 4)) & 0xF;
 }
 
-struct XQ {  // x quantised: q [M, K] int8, ds [M, K / 32, 2]: each block's (dx, sx) side by side
-    const int8_t* q;
+template <typename X>  // int8_t or int16_t
+struct XQ {  // x quantised: q [M, K], ds [M, K / 32, 2]: each block's (dx, sx) side by side
+    const X* q;
     const float* ds;
     long K;
 };
 
-static void quantize_rows(const float* x, long M, long ldx, long K, int8_t* q, float* ds) {
+template <typename X>
+static void quantize_rows(const float* x, long M, long ldx, long K, X* q, float* ds) {
+    constexpr float QMAX = sizeof(X) == 1 ? 127.0f : 32767.0f;
     for (long m = 0; m < M; m++)
         for (long j = 0; j < K / 32; j++) {
             const float* xr = x + m * ldx + j * 32;
+            X* qr = q + m * K + j * 32;
             float* dsj = ds + 2 * (m * (K / 32) + j);
 #if defined(__AVX2__)  // the scalar loop's values, 8 at a time (a maximum, and integer sums, in any order)
             __m256 v[4], a = _mm256_setzero_ps();
@@ -1105,17 +1119,22 @@ static void quantize_rows(const float* x, long M, long ldx, long K, int8_t* q, f
             __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            const float dx = _mm_cvtss_f32(h) / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+            const float dx = _mm_cvtss_f32(h) / QMAX, id = dx != 0.0f ? 1.0f / dx : 0.0f;
             __m256i iv[4], sum = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {  // vroundps in the current mode (to nearest even), as nearbyint
                 iv[c] = _mm256_cvtps_epi32(
                     _mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(id)), _MM_FROUND_CUR_DIRECTION));
                 sum = _mm256_add_epi32(sum, iv[c]);
             }
-            // int32 -> int8 (|v| <= 127: no saturation); the packs interleave 128-bit lanes, the permute undoes it
-            const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-            _mm256_storeu_si256((__m256i*)(q + m * K + j * 32),
-                                _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            // int32 -> X (|v| <= QMAX: no saturation); the packs interleave 128-bit lanes, the permutes undo it
+            const __m256i p0 = _mm256_packs_epi32(iv[0], iv[1]), p1 = _mm256_packs_epi32(iv[2], iv[3]);
+            if constexpr (sizeof(X) == 1) {
+                _mm256_storeu_si256((__m256i*)qr, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1),
+                                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            } else {
+                _mm256_storeu_si256((__m256i*)qr, _mm256_permute4x64_epi64(p0, 0xD8));
+                _mm256_storeu_si256((__m256i*)(qr + 16), _mm256_permute4x64_epi64(p1, 0xD8));
+            }
             __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
@@ -1123,12 +1142,11 @@ static void quantize_rows(const float* x, long M, long ldx, long K, int8_t* q, f
 #else
             float amax = 0.0f;
             for (int l = 0; l < 32; l++) amax = std::max(amax, std::fabs(xr[l]));
-            const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-            int8_t* qr = q + m * K + j * 32;
+            const float dx = amax / QMAX, id = dx != 0.0f ? 1.0f / dx : 0.0f;
             int total = 0;
-            for (int l = 0; l < 32; l++) {
+            for (int l = 0; l < 32; l++) {  // |x * id| <= QMAX + a few ulps: no clamp needed
                 const int v = (int)std::nearbyint(xr[l] * id);  // (the default rounding: to nearest even)
-                qr[l] = (int8_t)v;
+                qr[l] = (X)v;
                 total += v;
             }
 #endif
@@ -1137,15 +1155,44 @@ static void quantize_rows(const float* x, long M, long ldx, long K, int8_t* q, f
         }
 }
 
-// the 32 integer products of one block summed into 8 int32 lanes (as 8 floats): weight bytes wq (unsigned, or
-// signed when SIGNED: Q8_0) against the activation bytes xq (signed)
 #if defined(__AVX2__)
-template <bool SIGNED>
-static inline __m256 idot32(__m256i wq, __m256i xq) {
+// a block's 32 weights as idot32 takes them: for int8 x, its 32 bytes in w[0] (unsigned 0..15, Q8_0 signed); for
+// int16 x, values 0..15 in w[0] and 16..31 in w[1] widened to int16
+template <int T, typename X>
+static inline void wload(const uint8_t* b, __m256i w[2]) {
+    if constexpr (T == Q8_0 && sizeof(X) == 1) {
+        w[0] = _mm256_loadu_si256((const __m256i*)(b + 2));
+    } else if constexpr (T == Q8_0) {
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 2)));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 18)));
+    } else {  // (Q4_0 / Q4_1: the low nibbles are values 0..15, the high ones 16..31)
+        const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (T == Q4_1 ? 4 : 2)));
+        if constexpr (sizeof(X) == 1) {
+            w[0] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0xF));
+        } else {
+            w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(qs, _mm_set1_epi8(0xF)));
+            w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xF)));
+        }
+    }
+}
+
+// the 32 integer products of one block, weights w (wload's) against the activations xq, summed into 8 int32
+// lanes (as 8 floats). Each X sums its own products into lane i (int8: bytes 4i..4i+3 of w[0]; int16: values 2i,
+// 2i + 1, 2i + 16, 2i + 17): the float sums after depend on which, and each kept the lanes it had alone.
+template <int T, typename X>
+static inline __m256 idot32(const __m256i w[2], const X* xq) {
     __m256i p;
-    if constexpr (SIGNED) p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-    else p = _mm256_maddubs_epi16(wq, xq);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    if constexpr (sizeof(X) == 2) {
+        p = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i*)xq)),
+                             _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i*)(xq + 16))));
+    } else {
+        const __m256i x8 = _mm256_loadu_si256((const __m256i*)xq);
+        if constexpr (T == Q8_0)  // (maddubs takes unsigned bytes first: |w|, and x with w's sign)
+            p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[0], w[0]), _mm256_sign_epi8(x8, w[0]));
+        else p = _mm256_maddubs_epi16(w[0], x8);
+        p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    }
+    return _mm256_cvtepi32_ps(p);
 }
 #endif
 
@@ -1156,9 +1203,9 @@ static inline __m256 idot32(__m256i wq, __m256i xq) {
 // than the block's other work): two rows of w per x (RW = 2, decode's M = 1) run two chains side by side, and
 // each row's arithmetic stays what it is alone.
 static constexpr long QPF = 1536;  // bytes of w prefetched ahead
-template <int T, int RW, int MB>
-static inline void qdot_int8(const uint8_t* row, long rb, long K, const XQ& x, float* y, long ldy,
-                             const float* bias) {
+template <int T, typename X, int RW, int MB>
+static inline void qdot_int(const uint8_t* row, long rb, long K, const XQ<X>& x, float* y, long ldy,
+                            const float* bias) {
     constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
     const long nb = K / 32;
 #if defined(__AVX2__)
@@ -1181,22 +1228,16 @@ static inline void qdot_int8(const uint8_t* row, long rb, long K, const XQ& x, f
             for (int r = 0; r < RW; r++) {
                 const uint8_t* b = row + r * rb + bi * BB;
                 _mm_prefetch((const char*)b + QPF, _MM_HINT_T0);
-                __m256i wq;
-                if constexpr (T == Q8_0) {
-                    wq = _mm256_loadu_si256((const __m256i*)(b + 2));
-                } else {
-                    const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (T == Q4_1 ? 4 : 2)));
-                    wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0xF));
-                }
+                __m256i wq[2];
+                wload<T, X>(b, wq);
                 uint32_t h2;  // the block's first two f16 (Q4_0, Q8_0: dw and two bytes of q, not used)
                 memcpy(&h2, b, 4);
                 __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
                 if constexpr (T == Q4_0) dm = _mm_mul_ps(_mm_moveldup_ps(dm), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f));
 #pragma GCC unroll 4
                 for (int m = 0; m < MB; m++) {
-                    const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q + m * x.K + bi * 32));
                     const __m128 ds = _mm_castpd_ps(_mm_load_sd((const double*)(x.ds + 2 * (m * nb + bi))));
-                    const __m256 p = idot32<T == Q8_0>(wq, xq);
+                    const __m256 p = idot32<T>(wq, x.q + m * x.K + bi * 32);
                     acc[r][a][m] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_mul_ss(dm, ds)), p, acc[r][a][m]);
                     if constexpr (T != Q8_0) off[r][m] = _mm_fmadd_ps(dm, ds, off[r][m]);
                 }
@@ -1218,12 +1259,10 @@ static inline void qdot_int8(const uint8_t* row, long rb, long K, const XQ& x, f
             float acc = 0.0f, off = 0.0f;
             for (long bi = 0; bi < nb; bi++) {
                 const uint8_t* b = row + r * rb + bi * BB;
-                const int8_t* xq = x.q + m * x.K + bi * 32;
+                const X* xq = x.q + m * x.K + bi * 32;
                 const float* ds = x.ds + 2 * (m * nb + bi);
                 int sum = 0;
-                for (int l = 0; l < 32; l++) {
-                    sum += block_q<T>(b, l) * xq[l];
-                }
+                for (int l = 0; l < 32; l++) sum += block_q<T>(b, l) * xq[l];
                 const float dw = half_to_float(b);
                 acc = std::fma(dw * ds[0], (float)sum, acc);
                 if (T != Q8_0) off = std::fma(T == Q4_1 ? half_to_float(b + 2) : -8.0f * dw, ds[1], off);
@@ -1233,194 +1272,28 @@ static inline void qdot_int8(const uint8_t* row, long rb, long K, const XQ& x, f
 #endif
 }
 
-template <int T>
-static void qlinear_int8_t(const uint8_t* w, long n0, long n1, long K, const XQ& x, long M, const float* b,
-                           float* y, long ldy) {
+template <int T, typename X>
+static void qlinear_int_t(const uint8_t* w, long n0, long n1, long K, const XQ<X>& x, long M, const float* b,
+                          float* y, long ldy) {
     const long rb = q_row_bytes(T, K), nb = K / 32;
     long n = n0;
     if (M == 1 && T != Q8_0)  // (Q8_0 has no offset sum: one row at a time streams faster)
-        for (; n + 2 <= n1; n += 2) qdot_int8<T, 2, 1>(w + n * rb, rb, K, x, y + n, ldy, b ? b + n : nullptr);
+        for (; n + 2 <= n1; n += 2) qdot_int<T, X, 2, 1>(w + n * rb, rb, K, x, y + n, ldy, b ? b + n : nullptr);
     for (; n < n1; n++) {
         const uint8_t* wr = w + n * rb;
         const float* bias = b ? b + n : nullptr;
         long m = 0;
         for (; m + 4 <= M; m += 4) {
-            const XQ xm{x.q + m * K, x.ds + 2 * m * nb, K};
-            qdot_int8<T, 1, 4>(wr, rb, K, xm, y + m * ldy + n, ldy, bias);
+            const XQ<X> xm{x.q + m * K, x.ds + 2 * m * nb, K};
+            qdot_int<T, X, 1, 4>(wr, rb, K, xm, y + m * ldy + n, ldy, bias);
         }
-        const XQ xm{x.q + m * K, x.ds + 2 * m * nb, K};
+        const XQ<X> xm{x.q + m * K, x.ds + 2 * m * nb, K};
         switch (M - m) {
-            case 1: qdot_int8<T, 1, 1>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
-            case 2: qdot_int8<T, 1, 2>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
-            case 3: qdot_int8<T, 1, 3>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
+            case 1: qdot_int<T, X, 1, 1>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
+            case 2: qdot_int<T, X, 1, 2>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
+            case 3: qdot_int<T, X, 1, 3>(wr, rb, K, xm, y + m * ldy + n, ldy, bias); break;
         }
     }
-}
-
-// int16 activations (zoo_set_act_bits(16): zoo run's default; ZOO_QUANT_ACT=16): the same scheme with x quantised to int16 per 32 (dx =
-// max|x| / 32767), so x's rounding, and the bound above, 258x smaller. Why: on SmolLM2-135M (Q4_1, Q8_0 head) int8
-// rounding costs top-1 agreement in every matrix class, none dominant (each alone, 512 teacher-forced positions: the
-// head, gate_up 8 misses, down 6, q/k/v 4, o 3; all: 11-17, 0.967-0.979; KL mean 2e-3), so no per-matrix choice
-// reaches 99%; int16 everywhere: 512 / 512, KL mean 3.3e-8, at ~0-3% more time per token than int8 (as many
-// instructions per block: two loads of x and two madds for one load, maddubs and madd; README, issue 19). The
-// weights widened to int16 (vpmovzxbw / vpmovsxbw), the products summed in pairs into int32 (_mm256_madd_epi16:
-// |pair| <= 2 * 128 * 32767 < 2^31; a block's 32 <= 2^27), then one float multiply-add per block as above (the int32
-// sum rounded to float32 there).
-struct XQ16 {  // x quantised: q [M, K] int16, d and s [M, K / 32]
-    const int16_t* q;
-    const float *d, *s;
-    long K;
-};
-
-static void quantize_rows16(const float* x, long M, long ldx, long K, int16_t* q, float* d, float* s) {
-    for (long m = 0; m < M; m++)
-        for (long j = 0; j < K / 32; j++) {
-            const float* xr = x + m * ldx + j * 32;
-            int16_t* qr = q + m * K + j * 32;
-            int sum = 0;
-#if defined(__AVX2__)  // the loop below in 8 lanes (the same values: cvtps rounds to nearest even as nearbyint)
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 xv[4], mx = _mm256_setzero_ps();
-            for (int c = 0; c < 4; c++) {
-                xv[c] = _mm256_loadu_ps(xr + 8 * c);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[c]));
-            }
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
-            const float dx = amax / 32767.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-            __m256i tot = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c += 2) {
-                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(xv[c], _mm256_set1_ps(id)));
-                const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(xv[c + 1], _mm256_set1_ps(id)));
-                tot = _mm256_add_epi32(tot, _mm256_add_epi32(a, e));  // (packs interleaves the 128-bit lanes)
-                _mm256_storeu_si256((__m256i*)(qr + 8 * c), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, e), 0xD8));
-            }
-            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
-            const __m128i t2 = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-            sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32(t2, 0xB1)));
-#else
-            float amax = 0.0f;
-            for (int l = 0; l < 32; l++) amax = std::max(amax, std::fabs(xr[l]));
-            const float dx = amax / 32767.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-            for (int l = 0; l < 32; l++) {  // |x * id| <= 32767 + a few ulps: no clamp needed
-                const int v = (int)std::nearbyint(xr[l] * id);
-                qr[l] = (int16_t)v;
-                sum += v;
-            }
-#endif
-            d[m * (K / 32) + j] = dx;
-            s[m * (K / 32) + j] = dx * (float)sum;
-        }
-}
-
-template <int T, int MB>
-static inline void qdot_int16(const uint8_t* row, long K, const XQ16& x, float* y, long ldy, float bias) {
-    constexpr long BB = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-    const long nb = K / 32;
-#if defined(__AVX2__)
-    constexpr int A = MB == 1 ? 2 : 1;  // accumulators per row of x
-    __m256 acc[A][MB];
-    float off[MB];
-    for (int m = 0; m < MB; m++) {
-        off[m] = 0.0f;
-        for (int a = 0; a < A; a++) acc[a][m] = _mm256_setzero_ps();
-    }
-    for (long b0 = 0; b0 < nb; b0 += A)  // block bi into acc[bi % A], a a constant (as qdot_int8)
-#pragma GCC unroll 2
-        for (int a = 0; a < A; a++) {
-            const long bi = b0 + a;
-            if (A > 1 && bi >= nb) break;
-            const uint8_t* b = row + bi * BB;
-            _mm_prefetch((const char*)b + QPF, _MM_HINT_T0);
-            __m256i w0, w1;  // the block's values 0..15 and 16..31 as int16
-            if constexpr (T == Q8_0) {
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 2)));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 18)));
-            } else {
-                const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (T == Q4_1 ? 4 : 2))), lo4 = _mm_set1_epi8(0xF);
-                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(qs, lo4));
-                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4));
-            }
-            const float dw = half_to_float(b);
-            const float mw = T == Q4_1 ? half_to_float(b + 2) : -8.0f * dw;
-            for (int m = 0; m < MB; m++) {
-                const int16_t* xq = x.q + m * x.K + bi * 32;
-                const __m256i p =
-                    _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xq)),
-                                     _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 16))));
-                acc[a][m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[m * nb + bi]), _mm256_cvtepi32_ps(p), acc[a][m]);
-                if constexpr (T != Q8_0) off[m] = std::fma(mw, x.s[m * nb + bi], off[m]);
-            }
-        }
-    for (int m = 0; m < MB; m++) {
-        __m256 t = acc[0][m];
-        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[a][m]);
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        float v[4];
-        _mm_storeu_ps(v, h);
-        y[m * ldy] = ((v[0] + v[2]) + (v[1] + v[3])) + off[m] + bias;
-    }
-#else  // the same integers and scales, one block at a time (no AVX2: a portable loop, not tuned)
-    for (int m = 0; m < MB; m++) {
-        float acc = 0.0f, off = 0.0f;
-        for (long bi = 0; bi < nb; bi++) {
-            const uint8_t* b = row + bi * BB;
-            const int16_t* xq = x.q + m * x.K + bi * 32;
-            int sum = 0;
-            for (int l = 0; l < 32; l++) {
-                sum += block_q<T>(b, l) * xq[l];
-            }
-            const float dw = half_to_float(b);
-            acc = std::fma(dw * x.d[m * nb + bi], (float)sum, acc);
-            if (T != Q8_0) off = std::fma(T == Q4_1 ? half_to_float(b + 2) : -8.0f * dw, x.s[m * nb + bi], off);
-        }
-        y[m * ldy] = acc + off + bias;
-    }
-#endif
-}
-
-template <int T>
-static void qlinear_int16_t(const uint8_t* w, long n0, long n1, long K, const XQ16& x, long M, const float* b,
-                            float* y, long ldy) {
-    const long rb = q_row_bytes(T, K), nb = K / 32;
-    for (long n = n0; n < n1; n++) {
-        const uint8_t* wr = w + n * rb;
-        const float bias = b ? b[n] : 0.0f;
-        long m = 0;
-        for (; m + 4 <= M; m += 4) {
-            const XQ16 xm{x.q + m * K, x.d + m * nb, x.s + m * nb, K};
-            qdot_int16<T, 4>(wr, K, xm, y + m * ldy + n, ldy, bias);
-        }
-        const XQ16 xm{x.q + m * K, x.d + m * nb, x.s + m * nb, K};
-        switch (M - m) {
-            case 1: qdot_int16<T, 1>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
-            case 2: qdot_int16<T, 2>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
-            case 3: qdot_int16<T, 3>(wr, K, xm, y + m * ldy + n, ldy, bias); break;
-        }
-    }
-}
-
-static void qlinear_int16(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy,
-                          int threads) {
-    const long N = qmat_rows(w), K = w.K;
-    static thread_local std::vector<int16_t> q_store;
-    static thread_local std::vector<float> ds_store;
-    int16_t* q = room(q_store, M * K + 32);
-    float* d = room(ds_store, 2 * M * (K / 32) + 2);
-    float* s = d + M * (K / 32);
-    quantize_rows16(x, M, ldx, K, q, d, s);
-    const XQ16 xq{q, d, s, K};
-    paired_ranges(N, 16, threads, [&](long n0, long n1) {
-        each_segment(w, n0, n1, [&](long type, const uint8_t* data, long a, long e, long first) {
-            const float* bb = b ? b + first : nullptr;
-            switch (type) {
-                case Q4_0: qlinear_int16_t<Q4_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
-                case Q4_1: qlinear_int16_t<Q4_1>(data, a, e, K, xq, M, bb, y + first, ldy); break;
-                case Q8_0: qlinear_int16_t<Q8_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
-            }
-        });
-    });
 }
 
 static bool int_act_types(const QMat& w) {  // integer activations on: every segment Q4_0 / Q4_1 / Q8_0
@@ -1430,22 +1303,23 @@ static bool int_act_types(const QMat& w) {  // integer activations on: every seg
     return true;
 }
 
-static void qlinear_int8(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy,
-                         int threads) {
+template <typename X>
+static void qlinear_int(const float* x, long M, long ldx, const QMat& w, const float* b, float* y, long ldy,
+                        int threads) {
     const long N = qmat_rows(w), K = w.K;
-    static thread_local std::vector<int8_t> q_store;
+    static thread_local std::vector<X> q_store;
     static thread_local std::vector<float> ds_store;
-    int8_t* q = room(q_store, M * K + 32);
+    X* q = room(q_store, M * K + 32);
     float* ds = room(ds_store, 2 * M * (K / 32) + 2);
     quantize_rows(x, M, ldx, K, q, ds);
-    const XQ xq{q, ds, K};
+    const XQ<X> xq{q, ds, K};
     paired_ranges(N, 16, threads, [&](long n0, long n1) {
         each_segment(w, n0, n1, [&](long type, const uint8_t* data, long a, long e, long first) {
             const float* bb = b ? b + first : nullptr;
             switch (type) {
-                case Q4_0: qlinear_int8_t<Q4_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
-                case Q4_1: qlinear_int8_t<Q4_1>(data, a, e, K, xq, M, bb, y + first, ldy); break;
-                case Q8_0: qlinear_int8_t<Q8_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
+                case Q4_0: qlinear_int_t<Q4_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
+                case Q4_1: qlinear_int_t<Q4_1>(data, a, e, K, xq, M, bb, y + first, ldy); break;
+                case Q8_0: qlinear_int_t<Q8_0>(data, a, e, K, xq, M, bb, y + first, ldy); break;
             }
         });
     });
@@ -1457,8 +1331,8 @@ static void qlinear(const float* x, long M, long ldx, const QMat& w, const float
     const int threads = N * K >= 65536 ? nt : 1;
     if (path_m <= 4) {
         if (int_act_types(w))
-            return g_act_bits == 16 ? qlinear_int16(x, M, ldx, w, b, y, ldy, threads)
-                                : qlinear_int8(x, M, ldx, w, b, y, ldy, threads);
+            return g_act_bits == 16 ? qlinear_int<int16_t>(x, M, ldx, w, b, y, ldy, threads)
+                                    : qlinear_int<int8_t>(x, M, ldx, w, b, y, ldy, threads);
         static thread_local std::vector<float> xs_store;
         const long ldxs = K / 32;
         float* xs = room(xs_store, M * ldxs + 1);
