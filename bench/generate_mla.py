@@ -16,7 +16,8 @@ Rows: the zoo (zoo.LLM: paged latent cache, absorbed decode, continuous batching
 default experts implementation and with "eager" (transformers caches the up-projected keys and values);
 each timed as the best of `--repeat` runs after a warm-up. ratio = transformers time / zoo time (above 1:
 the zoo is faster). `same tokens` compares greedy outputs with the zoo's (float32 random weights: routing
-ties can make a long continuation drift).
+ties can make a long continuation drift; where transformers' two experts implementations part from each other
+too, a line under the workload says on how many).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ read the same files). Workloads, greedy, `--new` tokens each, EOS ignored:
 Rows: the zoo (zoo.LLM: paged KV, continuous batching, grouped expert dispatch) and transformers with its
 default experts implementation and with "eager"; each timed as the best of `--repeat` runs after a warm-up.
 ratio = transformers time / zoo time (above 1: the zoo is faster). `same tokens` compares greedy outputs
-with the zoo's (float32 random weights: routing ties can make a long continuation drift).
+with the zoo's (float32 random weights: routing ties can make a long continuation drift; where
+transformers' two experts implementations part from each other too, a line under the workload says on how many).
 """
 from __future__ import annotations
 
@@ -100,11 +101,16 @@ def experts_table(path: Path, workloads: list[tuple[str, list[list[int]]]], new:
         new_tokens = len(batch) * new
         t_zoo, ours = best_of(zoo_run(batch), repeat)
         print(f"{name:<{width}} {'zoo':<36} {t_zoo:8.3f} {new_tokens / t_zoo:8.1f} {'1.00':>6}", flush=True)
+        outs = []
         for label, ref in refs.items():
             t, theirs = best_of(hf_run(ref, batch), repeat)
+            outs.append(theirs)
             same = sum(a == b for a, b in zip(ours, theirs))
             print(f"{name:<{width}} {label:<36} {t:8.3f} {new_tokens / t:8.1f} {t / t_zoo:6.2f}  {same}/{len(ours)}",
                   flush=True)
+        apart = sum(a != b for a, b in zip(*outs))
+        if apart:  # a routing tie that float32's summation order decides (the docstring)
+            print(f"{'':<{width}} (transformers' two experts implementations part from each other on {apart})")
     print(f"load average {os.getloadavg()[0]:.2f} at the end (2 cores)")
 
 
