@@ -55,6 +55,18 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def wait_at_prompt(self, timeout: float = 30) -> None:
+        """Wait until the child sleeps in readline's select(). CPython's readline prints the prompt, then selects on
+        stdin with no timeout: a SIGINT between the two only sets a flag, and the Ctrl-C is not seen until the next
+        key (a user types it again; under load the child can sit in that window long enough for this test's
+        Ctrl-C to land there). Its main thread sleeping on three looks 50 ms apart means it is past the window."""
+        deadline, asleep = time.monotonic() + timeout, 0
+        while asleep < 3:
+            assert time.monotonic() < deadline, f"zoo run never waited at its prompt:\n{self.out[-3000:]}"
+            time.sleep(0.05)
+            with open(f"/proc/{self.pid}/stat") as f:  # the state follows the parenthesised command name
+                asleep = asleep + 1 if f.read().rsplit(")", 1)[1].split()[0] == "S" else 0
+
     def exit_status(self, timeout: float = 20) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -75,7 +87,9 @@ class Terminal:
             os.waitpid(self.pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
-        os.close(self.fd)
+        if self.fd >= 0:  # (exit_status kills before it raises; the test's finally kills again)
+            os.close(self.fd)
+            self.fd = -1
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +135,7 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(chat_model):
         t.type("\x03")
         t.expect(r"zoo: interrupted")
         t.expect(r"> ")
+        t.wait_at_prompt()
         t.type("\x03")  # at the empty prompt, after an interrupted reply: quits
         assert t.exit_status() == 0
         assert "60000 tokens" not in t.out  # the reply did not run to its end
