@@ -1,14 +1,17 @@
 """Which bfloat16 rounding parts greedy decoding from float32: transformers float32 on the embedded SmolLM2-135M
-GGUF, the 16 ragged prompts of tests/test_bf16.py, greedy, with only the named parts rounded to bfloat16 (float32
-arithmetic everywhere else), each against the unrounded float32 model.
+GGUF, 16 ragged prompts, greedy, with only the named parts rounded to bfloat16 (float32 arithmetic everywhere
+else), each against the unrounded float32 model; then zoo's `--dtype bfloat16` (the fused step: bfloat16 weights and
+KV cache) against the same.
 
-    python bench/bf16_rounding.py [--new 16] [--threads 1]
+    python bench/bf16_rounding.py [--new 16] [--threads 1] [--prompts test|generate]
+
+--prompts: tests/test_bf16.py's (8 .. 113 tokens, the default) or bench/generate.py's (16 .. 256 tokens).
 
 Prints per variant: prompts equal throughout, and per parting (prompt length, token index, how far float32's top
 logit led the rounded model's token there). The KV variants round k (after the rotation) and v to bfloat16 as
 zoo's bfloat16 cache stores them (the current token's too: zoo's attention reads them back from the cache).
-The thread count changes torch's float32 sums, which alone can flip the closest ties (a 2-thread run at load ~1
-gave 16/16 for k and v and 12/16 for all of it, against 15 and 13 with 1 thread): compare variants at one count.
+The thread count changes torch's float32 sums, which alone can flip the closest ties (runs on the test's prompts gave
+k and v alone 15 or 16 of 16 and all of it 12 to 14, by thread count and run): compare variants within one run.
 """
 from __future__ import annotations
 
@@ -36,10 +39,26 @@ VARIANTS = {  # name -> (which parameters are rounded, whether k and v are)
 }
 
 
-def prompts(tok) -> list[list[int]]:
-    """tests/test_bf16.py's 16 ragged prompts (8 .. 113 tokens) from offline standard-library docstrings."""
+def prompts(tok, which: str) -> list[list[int]]:
+    """16 ragged prompts from offline standard-library docstrings: tests/test_bf16.py's (8 .. 113 tokens) or
+    bench/generate.py's (16 .. 256)."""
+    if which == "generate":
+        from generate import make_prompts
+        return make_prompts(tok, 16)
     ids = tok.encode("\n\n".join(m.__doc__ for m in (argparse, logging, unittest, collections)))
     return [ids[i * 41:i * 41 + n] for i, n in enumerate(range(8, 8 + 16 * 7, 7))]
+
+
+def partings(ps, base, outs) -> tuple[int, list[tuple[int, int, float]]]:
+    """Prompts equal throughout, and (prompt length, token, float32's lead there) where each parts."""
+    equal, parted = 0, []
+    for p, (want, logits), got in zip(ps, base, outs):
+        at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if at is None:
+            equal += 1
+        else:
+            parted.append((len(p), at, round((logits[at][want[at]] - logits[at][got[at]]).item(), 4)))
+    return equal, parted
 
 
 def greedy(model, ps: list[list[int]], new: int) -> list[tuple[list[int], list[torch.Tensor]]]:
@@ -55,11 +74,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (changes float32's sums, see above)")
+    ap.add_argument("--prompts", choices=["test", "generate"], default="test")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    ps = prompts(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+    ps = prompts(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), args.prompts)
     rope, round_kv = modeling.apply_rotary_pos_emb, [False]
 
     def rotated(q, k, *a, **kw):  # k as the cache stores it
@@ -78,15 +98,15 @@ def main() -> None:
             for n, p in model.named_parameters():
                 p.copy_(original[n].to(torch.bfloat16).float() if rounded(n) else original[n])
             round_kv[0] = kv
-            equal, partings = 0, []
-            for p, (want, logits), (got, _) in zip(ps, base, greedy(model, ps, args.new)):
-                at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-                if at is None:
-                    equal += 1
-                else:
-                    partings.append((len(p), at, round((logits[at][want[at]] - logits[at][got[at]]).item(), 4)))
-            print(f"{name} rounded: equal on {equal} of {len(ps)}; partings (prompt length, token, gap) {partings}",
+            equal, parted = partings(ps, base, [got for got, _ in greedy(model, ps, args.new)])
+            print(f"{name} rounded: equal on {equal} of {len(ps)}; partings (prompt length, token, gap) {parted}",
                   flush=True)
+    from zoo import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=1024)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
+    equal, parted = partings(ps, base, [list(o.token_ids) for o in outs])
+    print(f"zoo --dtype bfloat16 ({llm.engine.runner.step_path}): equal on {equal} of {len(ps)}; partings {parted}")
 
 
 if __name__ == "__main__":
