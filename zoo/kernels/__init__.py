@@ -132,7 +132,7 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return F.linear(x, dequantize(weight), bias)
     x2 = _rows(x)
     y = torch.empty(m, n)
-    _lib.zoo_qlinear(x2.data_ptr(), m, x2.stride(0), ctypes.addressof(q), _ptr(bias), y.data_ptr(), n,
+    _native().zoo_qlinear(x2.data_ptr(), m, x2.stride(0), ctypes.addressof(q), _ptr(bias), y.data_ptr(), n,
                      threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
@@ -147,7 +147,7 @@ def qembed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if q is None or not enabled() or torch.is_grad_enabled():  # the reference: the rows, dequantised
         return weight.quant.dequantize(weight, flat).view(*ids.shape, h)
     out = torch.empty(flat.numel(), h)
-    _lib.zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), threads())
+    _native().zoo_qembed(flat.data_ptr(), flat.numel(), ctypes.addressof(q), out.data_ptr(), threads())
     return out.view(*ids.shape, h)
 
 
@@ -295,6 +295,16 @@ def _load() -> ctypes.CDLL | None:
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch path on
         warnings.warn(f"zoo native kernels unavailable, using torch ops instead: {e}", RuntimeWarning, stacklevel=3)
     return _lib
+
+
+def _native() -> ctypes.CDLL:
+    """The built library, built on first use (an entry point called without enabled() / fast() first): where the
+    build failed, a clear error rather than an attribute of None."""
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise RuntimeError("zoo native kernels did not build (the RuntimeWarning when they were first loaded says "
+                           "why): check zoo.kernels.enabled() before calling them, and use torch ops")
+    return lib
 
 
 def _huge_buffer(nbytes: int):
@@ -476,8 +486,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x2 = _rows(x)
     y = torch.empty(m, n)
-    (_lib.zoo_linear_bf16 if bf16 else _lib.zoo_linear)(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k,
-                                                         _ptr(bias), y.data_ptr(), n, threads())
+    lib = _native()
+    (lib.zoo_linear_bf16 if bf16 else lib.zoo_linear)(x2.data_ptr(), m, x2.stride(0), weight.data_ptr(), n, k,
+                                                      _ptr(bias), y.data_ptr(), n, threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -489,7 +500,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool =
     x2 = _rows(x)
     rows, d = x2.shape
     out = torch.empty(rows, d)
-    _lib.zoo_rms_norm(x2.data_ptr(), rows, d, x2.stride(0), weight.contiguous().data_ptr(), eps, int(gemma),
+    _native().zoo_rms_norm(x2.data_ptr(), rows, d, x2.stride(0), weight.contiguous().data_ptr(), eps, int(gemma),
                       out.data_ptr(), threads())
     return out if x.dim() == 2 else out.view(x.shape)
 
@@ -514,7 +525,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
     if positions.dtype is not torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
     q_out, k_out = torch.empty(t, n, d), torch.empty(t, m, d)
-    bad = _lib.zoo_rope(q.data_ptr(), q.stride(0), q.stride(1), n, q_out.data_ptr(),
+    bad = _native().zoo_rope(q.data_ptr(), q.stride(0), q.stride(1), n, q_out.data_ptr(),
                         k.data_ptr(), k.stride(0), k.stride(1), m, k_out.data_ptr(), t, d, positions.data_ptr(),
                         cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], threads())
     if bad >= 0:
@@ -525,12 +536,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = cat(gate, up) [T, 2I] -> [T, I]."""
-    return _act_mul(_lib.zoo_silu_mul, gate_up)
+    return _act_mul(_native().zoo_silu_mul, gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up for gate_up = cat(gate, up) [T, 2I] -> [T, I] (Gemma's MLP)."""
-    return _act_mul(_lib.zoo_gelu_tanh_mul, gate_up)
+    return _act_mul(_native().zoo_gelu_tanh_mul, gate_up)
 
 
 def _act_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
@@ -565,7 +576,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     gate_up, down = gate_up.contiguous(), down.contiguous()
     out = torch.empty(t, x.shape[1])
     if t:
-        _lib.zoo_moe_experts(x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1],
+        _native().zoo_moe_experts(x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1],
                              gate_up.data_ptr(), down.data_ptr(), e, down.shape[2], 1 if kind == "gelu_tanh" else 0,
                              out.data_ptr(), threads())
     return out
@@ -593,7 +604,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, 
                          f"{block_tables.shape[0]} requests")
     kv_b, tables = kv_b.contiguous(), _int(block_tables, torch.int32)
     toks_t, reqs_t, lens_t = (torch.tensor(v, dtype=torch.int64) for v in (toks, reqs, lens))
-    bad = _lib.zoo_mla_decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(),
+    bad = _native().zoo_mla_decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(),
                               q_rope.stride(0), q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim,
                               cache.data_ptr(), cache.shape[0], cache.shape[1], tables.data_ptr(), tables.shape[1],
                               toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks), scale,
@@ -610,7 +621,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         raise _bad("argmax", "x must be [N, V] with V >= 1", x=x.shape)
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads())
+    _native().zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads())
     return out
 
 
@@ -670,7 +681,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
                       tables.shape[1])
     else:
         cache_args = (None, 0, 1, None, None, 0)
-    fn = _lib.zoo_attention_bf16 if bf16 else _lib.zoo_attention
+    lib = _native()
+    fn = lib.zoo_attention_bf16 if bf16 else lib.zoo_attention
     bad = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
              v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), t, h, kvh, d, *cache_args,
              qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], scale,
@@ -714,7 +726,7 @@ def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, 
     xbc, y = torch.empty(t, channels), torch.empty(t, inter)
     lo, hi = time_step_limit
     params = [None if v is None else v.contiguous() for v in (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)]
-    _lib.zoo_mamba2_mix(zx.data_ptr(), t, zx.stride(0), h, p, n, g, k, *map(_ptr, params), eps, lo, hi,
+    _native().zoo_mamba2_mix(zx.data_ptr(), t, zx.stride(0), h, p, n, g, k, *map(_ptr, params), eps, lo, hi,
                         _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), b,
                         xbc.data_ptr(), y.data_ptr(), threads())
     return y
@@ -754,7 +766,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     starts_t, slots_t, flags = _requests("causal_conv", t, starts, slots, has_state, conv_state)
     w, b = weight.contiguous(), None if bias is None else bias.contiguous()
     out = torch.empty(t, c)
-    _lib.zoo_causal_conv(x.data_ptr(), x.stride(0), t, c, k, w.data_ptr(), _ptr(b), _ptr(conv_state),
+    _native().zoo_causal_conv(x.data_ptr(), x.stride(0), t, c, k, w.data_ptr(), _ptr(b), _ptr(conv_state),
                          starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots), out.data_ptr(),
                          threads())
     return out
@@ -780,7 +792,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     starts_t, slots_t, flags = _requests("selective_scan", t, starts, slots, has_state, ssm_state)
     a, d = A.contiguous(), D.contiguous()
     out = torch.empty(t, i)
-    _lib.zoo_selective_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), C.data_ptr(),
+    _native().zoo_selective_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), C.data_ptr(),
                             B.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), d.data_ptr(), t, i, n,
                             _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots),
                             out.data_ptr(), threads())

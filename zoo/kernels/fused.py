@@ -280,7 +280,8 @@ class FusedDecoder:
         qsl, seq_lens, slots, tables = kernels._metadata(batch, t, True)
         logits = torch.empty(rows.shape[0], m["vocab"])
         nb, bs = next(iter(self.kv_caches.values())).shape[:2]
-        forward = kernels._lib.zoo_llama_forward_bf16 if m["bf16"] else kernels._lib.zoo_llama_forward
+        lib = kernels._native()
+        forward = lib.zoo_llama_forward_bf16 if m["bf16"] else lib.zoo_llama_forward
         bad = forward(
             ids.data_ptr(), t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
             len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
