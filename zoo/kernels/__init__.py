@@ -133,7 +133,7 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     x2 = _rows(x)
     y = torch.empty(m, n)
     _native().zoo_qlinear(x2.data_ptr(), m, x2.stride(0), ctypes.addressof(q), _ptr(bias), y.data_ptr(), n,
-                     threads())
+                          threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -300,7 +300,7 @@ def _load() -> ctypes.CDLL | None:
 def _native() -> ctypes.CDLL:
     """The built library, built on first use (an entry point called without enabled() / fast() first): where the
     build failed, a clear error rather than an attribute of None."""
-    lib = _lib if _lib is not None else _load()
+    lib = _load()  # (the library once tried: no second build)
     if lib is None:
         raise RuntimeError("zoo native kernels did not build (the RuntimeWarning when they were first loaded says "
                            "why): check zoo.kernels.enabled() before calling them, and use torch ops")
@@ -501,7 +501,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool =
     rows, d = x2.shape
     out = torch.empty(rows, d)
     _native().zoo_rms_norm(x2.data_ptr(), rows, d, x2.stride(0), weight.contiguous().data_ptr(), eps, int(gemma),
-                      out.data_ptr(), threads())
+                           out.data_ptr(), threads())
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -526,8 +526,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
         positions = positions.to(torch.int64).contiguous()
     q_out, k_out = torch.empty(t, n, d), torch.empty(t, m, d)
     bad = _native().zoo_rope(q.data_ptr(), q.stride(0), q.stride(1), n, q_out.data_ptr(),
-                        k.data_ptr(), k.stride(0), k.stride(1), m, k_out.data_ptr(), t, d, positions.data_ptr(),
-                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], threads())
+                             k.data_ptr(), k.stride(0), k.stride(1), m, k_out.data_ptr(), t, d, positions.data_ptr(),
+                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1], threads())
     if bad >= 0:
         raise IndexError(f"rotary: token {bad} has position {int(positions[bad])}, outside the cos/sin table "
                          f"of {cos.shape[0]} positions")
@@ -577,8 +577,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(t, x.shape[1])
     if t:
         _native().zoo_moe_experts(x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1],
-                             gate_up.data_ptr(), down.data_ptr(), e, down.shape[2], 1 if kind == "gelu_tanh" else 0,
-                             out.data_ptr(), threads())
+                                  gate_up.data_ptr(), down.data_ptr(), e, down.shape[2],
+                                  1 if kind == "gelu_tanh" else 0, out.data_ptr(), threads())
     return out
 
 
@@ -605,10 +605,10 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, 
     kv_b, tables = kv_b.contiguous(), _int(block_tables, torch.int32)
     toks_t, reqs_t, lens_t = (torch.tensor(v, dtype=torch.int64) for v in (toks, reqs, lens))
     bad = _native().zoo_mla_decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(),
-                              q_rope.stride(0), q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim,
-                              cache.data_ptr(), cache.shape[0], cache.shape[1], tables.data_ptr(), tables.shape[1],
-                              toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks), scale,
-                              out.data_ptr(), threads())
+                                   q_rope.stride(0), q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim,
+                                   cache.data_ptr(), cache.shape[0], cache.shape[1], tables.data_ptr(), tables.shape[1],
+                                   toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks), scale,
+                                   out.data_ptr(), threads())
     if bad:
         raise ValueError(f"mla_decode: batch.{_BATCH_FIELDS[bad]} is inconsistent with the cache of shape "
                          f"{tuple(cache.shape)} (context lengths {lens})")
@@ -727,8 +727,8 @@ def mamba2_mix(zx: torch.Tensor, *, heads: int, head_dim: int, state_size: int, 
     lo, hi = time_step_limit
     params = [None if v is None else v.contiguous() for v in (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)]
     _native().zoo_mamba2_mix(zx.data_ptr(), t, zx.stride(0), h, p, n, g, k, *map(_ptr, params), eps, lo, hi,
-                        _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), b,
-                        xbc.data_ptr(), y.data_ptr(), threads())
+                             _ptr(conv_state), _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(),
+                             flags.data_ptr(), b, xbc.data_ptr(), y.data_ptr(), threads())
     return y
 
 
@@ -767,8 +767,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w, b = weight.contiguous(), None if bias is None else bias.contiguous()
     out = torch.empty(t, c)
     _native().zoo_causal_conv(x.data_ptr(), x.stride(0), t, c, k, w.data_ptr(), _ptr(b), _ptr(conv_state),
-                         starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots), out.data_ptr(),
-                         threads())
+                              starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots), out.data_ptr(),
+                              threads())
     return out
 
 
@@ -793,7 +793,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     a, d = A.contiguous(), D.contiguous()
     out = torch.empty(t, i)
     _native().zoo_selective_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), C.data_ptr(),
-                            B.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), d.data_ptr(), t, i, n,
-                            _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots),
-                            out.data_ptr(), threads())
+                                 B.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), d.data_ptr(), t, i, n,
+                                 _ptr(ssm_state), starts_t.data_ptr(), slots_t.data_ptr(), flags.data_ptr(), len(slots),
+                                 out.data_ptr(), threads())
     return out
