@@ -1,17 +1,29 @@
-"""Which bfloat16 rounding parts greedy decoding from float32: transformers float32 on the embedded SmolLM2-135M
-GGUF, 16 ragged prompts, greedy, with only the named parts rounded to bfloat16 (float32 arithmetic everywhere
-else), each against the unrounded float32 model; then zoo's `--dtype bfloat16` (the fused step: bfloat16 weights and
-KV cache) against the same.
+"""Which bfloat16 rounding parts greedy decoding from float32, and whether zoo's bfloat16 adds error of its own:
+transformers float32 on the embedded SmolLM2-135M GGUF, 16 ragged prompts, greedy, with only the named parts rounded
+to bfloat16 (float32 arithmetic everywhere else: tests/rounded_reference.py), each against the unrounded float32
+model; then zoo's `--dtype bfloat16` (the fused step: bfloat16 weights and KV cache) against the same.
 
     python bench/bf16_rounding.py [--new 16] [--threads 1] [--prompts test|generate]
+    python bench/bf16_rounding.py --sets 12    # how often 16 prompts reach 15 of 16, over 12 sets
 
 --prompts: tests/test_bf16.py's (8 .. 113 tokens, the default) or bench/generate.py's (16 .. 256 tokens).
 
-Prints per variant: prompts equal throughout, and per parting (prompt length, token index, how far float32's top
-logit led the rounded model's token there). The KV variants round k (after the rotation) and v to bfloat16 as
+Greedy: per variant the prompts equal throughout, and per parting (prompt length, token index, how far float32's
+top logit led the rounded model's token there). The KV variants round k (after the rotation) and v to bfloat16 as
 zoo's bfloat16 cache stores them (the current token's too: zoo's attention reads them back from the cache).
 The thread count changes torch's float32 sums, which alone can flip the closest ties (runs on the test's prompts gave
 k and v alone 15 or 16 of 16 and all of it 12 to 14, by thread count and run): compare variants within one run.
+
+Teacher-forced (after the greedy table): over every position of the prompts plus float32's greedy tokens, the rms
+difference of the log-probabilities of float32's top 20 tokens from float32's, per variant and for zoo (as
+tests/test_bf16.py bounds it); then zoo against the variant with its exact rounding, beside that variant run with
+transformers' eager attention instead of sdpa (rounding k and v turns float32's last-bit differences into whole
+bfloat16 steps: how far two float32 computations of the same rounded model part).
+
+--sets K: K sets of 16 prompts with the test's lengths (set 0 the test's own, the others disjoint windows of
+standard-library docstrings), each rounded with all weights, then with k and v too, and zoo's bfloat16: per set the
+prompts equal throughout, then how many sets reach 15 of 16. With a few partings per 256 tokens spread at random over
+the prompts, whether 16 prompts reach 15 is largely chance; this says how often the rounding alone gets there.
 """
 from __future__ import annotations
 
@@ -19,12 +31,15 @@ import argparse
 import collections
 import logging
 import os
+import sys
 import unittest
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the rounded reference, shared with the test
 
 import torch  # noqa: E402
-import transformers.models.llama.modeling_llama as modeling  # noqa: E402
+from rounded_reference import logprobs, round_to_bf16, top_error  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from zoo.default_model import default_model_path  # noqa: E402
@@ -47,6 +62,22 @@ def prompts(tok, which: str) -> list[list[int]]:
         return make_prompts(tok, 16)
     ids = tok.encode("\n\n".join(m.__doc__ for m in (argparse, logging, unittest, collections)))
     return [ids[i * 41:i * 41 + n] for i, n in enumerate(range(8, 8 + 16 * 7, 7))]
+
+
+def prompt_sets(tok, k: int) -> list[list[list[int]]]:
+    """Set 0: the test's prompts; sets 1 .. k - 1: the same lengths from disjoint windows of the docstrings of some
+    standard-library modules and their public members."""
+    import functools, inspect, json, pathlib, re, subprocess, textwrap  # noqa: E401
+
+    docs = [d for m in (argparse, logging, unittest, collections, subprocess, re, json, textwrap, inspect, pathlib,
+                        functools) for d in [m.__doc__] + [getattr(m, n).__doc__ for n in sorted(dir(m))
+                                                          if not n.startswith("_")] if d]
+    ids, lengths = tok.encode("\n\n".join(dict.fromkeys(docs))), range(8, 8 + 16 * 7, 7)
+    step = 120  # windows of 120 tokens, the prompts at their starts: set s is the same for any k
+    if (k - 1) * 16 * step > len(ids):
+        raise SystemExit(f"--sets {k}: the docstrings' {len(ids)} tokens hold {len(ids) // (16 * step) + 1} sets")
+    return [prompts(tok, "test")] + [[ids[((s - 1) * 16 + i) * step:((s - 1) * 16 + i) * step + n]
+                                      for i, n in enumerate(lengths)] for s in range(1, k)]
 
 
 def partings(ps, base, outs) -> tuple[int, list[tuple[int, int, float]]]:
@@ -75,38 +106,60 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (changes float32's sums, see above)")
     ap.add_argument("--prompts", choices=["test", "generate"], default="test")
+    ap.add_argument("--sets", type=int, default=0, help="K sets of the test's lengths (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    ps = prompts(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), args.prompts)
-    rope, round_kv = modeling.apply_rotary_pos_emb, [False]
-
-    def rotated(q, k, *a, **kw):  # k as the cache stores it
-        q, k = rope(q, k, *a, **kw)
-        return q, k.to(torch.bfloat16).float() if round_kv[0] else k
-
-    modeling.apply_rotary_pos_emb = rotated
-    for layer in model.model.layers:
-        layer.self_attn.v_proj.register_forward_hook(
-            lambda mod, i, o: o.to(torch.bfloat16).float() if round_kv[0] else o)
-    with torch.no_grad():
-        base = greedy(model, ps, args.new)
-        original = {n: p.detach().clone() for n, p in model.named_parameters()}
-        print(f"{len(ps)} prompts x {args.new} greedy tokens, against transformers float32")
-        for name, (rounded, kv) in VARIANTS.items():
-            for n, p in model.named_parameters():
-                p.copy_(original[n].to(torch.bfloat16).float() if rounded(n) else original[n])
-            round_kv[0] = kv
-            equal, parted = partings(ps, base, [got for got, _ in greedy(model, ps, args.new)])
-            print(f"{name} rounded: equal on {equal} of {len(ps)}; partings (prompt length, token, gap) {parted}",
-                  flush=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    sets = prompt_sets(tok, args.sets) if args.sets else [prompts(tok, args.prompts)]
     from zoo import LLM, SamplingParams
 
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=1024)
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
-    equal, parted = partings(ps, base, [list(o.token_ids) for o in outs])
-    print(f"zoo --dtype bfloat16 ({llm.engine.runner.step_path}): equal on {equal} of {len(ps)}; partings {parted}")
+    names = ["all weights", "all weights, k and v (zoo bfloat16)"] if args.sets else list(VARIANTS)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def variant(name: str | None, attention: str = "sdpa"):  # the model with that variant's rounding (None: float32)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(original[n])
+        rounded, kv = VARIANTS[name] if name else (lambda n: False, False)
+        return round_to_bf16(model, rounded, kv, attention)
+
+    reached = collections.Counter()
+    for si, ps in enumerate(sets):
+        base = greedy(variant(None), ps, args.new)
+        counts = {name: partings(ps, base, [got for got, _ in greedy(variant(name), ps, args.new)]) for name in names}
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
+        counts["zoo --dtype bfloat16"] = partings(ps, base, [list(o.token_ids) for o in outs])
+        if args.sets:
+            print(f"set {si}: " + "; ".join(f"{name} {e}/16" for name, (e, _) in counts.items()), flush=True)
+            reached.update(name for name, (e, _) in counts.items() if e >= 15)
+            continue
+        print(f"{len(ps)} prompts x {args.new} greedy tokens, against transformers float32")
+        for name, (equal, parted) in counts.items():
+            print(f"{name}: equal on {equal} of {len(ps)}; partings (prompt length, token, gap) {parted}")
+        teacher_forced(variant, llm, [p + got for p, (got, _) in zip(ps, base)])
+    if args.sets:
+        print(f"sets reaching 15 of 16 ({len(sets)} sets x 16 prompts x {args.new} tokens, torch threads "
+              f"{args.threads}): " + "; ".join(f"{n} {reached[n]}" for n in names + ["zoo --dtype bfloat16"]))
+
+
+def teacher_forced(variant, llm, seqs: list[list[int]]) -> None:
+    """The rms log-probability errors of the docstring's second part."""
+    from zoo import SamplingParams
+
+    want = logprobs(variant(None), seqs)
+    print(f"teacher-forced, {sum(map(len, seqs))} positions: rms log-probability difference over float32's top 20")
+    for name in VARIANTS:
+        print(f"  {name} rounded: {top_error(want, logprobs(variant(name), seqs))[0]:.5f}")
+    outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=40))
+    mine = [o.prompt_logprobs for o in outs]
+    print(f"  zoo --dtype bfloat16: {top_error(want, mine)[0]:.5f}")
+    exact = "all weights, k and v (zoo bfloat16)"
+    sdpa = logprobs(variant(exact), seqs)
+    print(f"  zoo against {exact}: {top_error(sdpa, mine)[0]:.5f}; the same with eager attention against it: "
+          f"{top_error(sdpa, logprobs(variant(exact, 'eager'), seqs))[0]:.5f}")
 
 
 if __name__ == "__main__":
