@@ -84,7 +84,7 @@ def test_gated_activations_match_torch(i, act):
     torch.testing.assert_close(got.double(), exact * gu[:, i:].double(), rtol=2e-6, atol=1e-6)  # float64 truth
 
 
-def test_argmax_matches_torch_on_ties_nan_and_infinities():
+def test_argmax_and_row_max_match_torch_on_ties_nan_and_infinities():
     g = torch.Generator().manual_seed(0)
     for v in (1, 5, 16, 17, 33, 49152):
         rows = [torch.randn(v, generator=g), torch.randint(0, 3, (v,), generator=g).float(),  # ties
@@ -93,6 +93,9 @@ def test_argmax_matches_torch_on_ties_nan_and_infinities():
         nan[v // 2] = float("nan")
         x = torch.stack(rows + [nan])
         assert torch.equal(twice(lambda: kernels.argmax(x)), x.argmax(-1)), v
+        values, indices = kernels.row_max(x)  # the sampler's: the argmax and the value there, one pass
+        assert torch.equal(indices, x.argmax(-1)), v
+        torch.testing.assert_close(values, torch.max(x, -1).values, rtol=0, atol=0, equal_nan=True)
 
 
 def test_rotary_rejects_a_position_outside_the_table():
@@ -372,6 +375,27 @@ def test_fused_decoder_steps_aside_for_hooks(tmp_path):
         assert not fused.usable(ids, batch)
     finally:
         kernels.set_enabled(previous)
+
+
+def test_fused_decoder_names_the_batch_field_at_fault(tmp_path):
+    """The driver checks the step's metadata in C before it reads anything: a ValueError naming the field."""
+    from batching import allocate_kv, make_batch
+    from tiny import save_tiny
+    from zoo.build import build_model
+    from zoo.kernels.fused import FusedDecoder
+
+    model, *_ = build_model(save_tiny("LlamaForCausalLM", tmp_path))
+    kv = allocate_kv(model, num_blocks=4, block_size=4, fill=0.0)
+    fused = FusedDecoder.build(model, kv)
+    ids, batch = make_batch([([5] * 8, 6)], kv, all_logits=False)  # two new tokens: rows 0 and 1
+    assert fused(ids, batch.positions, batch).shape == (1, model.config.vocab_size)
+    for rows in ([2], [-1], [0, 2]):
+        batch.logits_indices = torch.tensor(rows)
+        with pytest.raises(ValueError, match=r"batch\.logits_indices \(rows outside the step's tokens\).* 2 tokens"):
+            fused(ids, batch.positions, batch)
+    batch.logits_indices = torch.tensor([1])
+    with pytest.raises(ValueError, match=r"batch\.input_ids \(outside the vocabulary\)"):
+        fused(torch.tensor([5, model.config.vocab_size]), batch.positions, batch)
 
 
 def _mixer_step(mixer, lens, computed, slots, num_slots, *, on: bool, states: bool = True):

@@ -68,7 +68,7 @@ _SIGNATURES = {
     "zoo_rope": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _I],
     "zoo_silu_mul": [_P, _L, _L, _L, _P, _I],
     "zoo_gelu_tanh_mul": [_P, _L, _L, _L, _P, _I],
-    "zoo_argmax": [_P, _L, _L, _L, _P, _I],
+    "zoo_argmax": [_P, _L, _L, _L, _P, _P, _I],
     "zoo_moe_experts": [_P, _L, _L, _P, _P, _L, _P, _P, _L, _L, _I, _P, _I],
     "zoo_mla_decode": [_P, _L, _L, _P, _L, _L, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _P, _P, _P, _L, _F, _P, _I],
     "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
@@ -616,13 +616,24 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for x [N, V] (unit last stride): the first largest index per row, NaN first as torch."""
+    return _argmax(x, values=False)[1]
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.max(x, -1) for x [N, V]: (values [N], indices [N]) in one pass, the indices those of argmax."""
+    return _argmax(x, values=True)
+
+
+def _argmax(x: torch.Tensor, *, values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     _float32("argmax", "x", x)
     if x.dim() != 2 or x.shape[1] == 0:
         raise _bad("argmax", "x must be [N, V] with V >= 1", x=x.shape)
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _native().zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads())
-    return out
+    vals = torch.empty(x.shape[0]) if values else None
+    _native().zoo_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                         None if vals is None else vals.data_ptr(), threads())
+    return vals, out
 
 
 def _int(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2236,7 +2236,8 @@ extern "C" void zoo_selective_scan(const float* x, long ldx, const float* dt, lo
 // Greedy sampling: out[i] = the first index of the largest value of row i of x [N, V] (row stride ld), as
 // torch.argmax; a row holding a NaN gets the index of its first NaN (torch ranks NaN above everything).
 
-extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out, int nt) {
+// values (may be null): each row's value at its index, from the same pass (the sampler checks it is finite)
+extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out, float* values, int nt) {
     parallel_for(N, 1, N * V >= 65536 ? nt : 1, [&](long i) {
         const float* r = x + i * ld;
         v16 best = splat(-INFINITY);
@@ -2271,6 +2272,7 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
                     break;
                 }
         out[i] = found;
+        if (values) values[i] = r[found];
     });
 }
 
@@ -2279,8 +2281,8 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 // A whole forward pass of a Llama-structured decoder (zoo/kernels/fused.py decides which models qualify and
 // passes their weights): the kernels above in the order the modules call them, with no Python between
 // layers. The results equal the module path with kernels on, bit for bit (same kernels, same inputs; the
-// residual adds round the same). Returns 0, an attention error code, or 5 when a token id is outside the
-// embedding table.
+// residual adds round the same). Returns 0, an attention error code, 5 when a token id is outside the
+// embedding table, or 6 when a row to compute logits of is outside the step's tokens.
 
 // W: the matrices' element type, C: the cache's (float, or bf16 for a bfloat16 model: norms, biases and the rotary
 // tables stay float32, converted once by fused.py)
@@ -2363,6 +2365,8 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= table_len) return 2;
+    for (long i = 0; i < N; i++)
+        if (rows[i] < 0 || rows[i] >= T) return 6;
     // scratch kept between steps up to 64M floats (a 2048-token step of SmolLM2 takes 18M): fresh memory
     // each step cost page faults and zeroing, ~1% of a prefill
     static thread_local std::vector<float> kept;
