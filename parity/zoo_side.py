@@ -8,8 +8,8 @@ Nothing here computes the model differently from `zoo run`: each scenario is an 
 scheduling knobs (token budget, block size, prefix caching) and requests whose tokens we choose.
 Per step we record, from the runtime's own objects:
   - which request owns each segment of the flattened batch (the scheduler output the runner prepares,
-    observed by wrapping `engine.runner.prepare` on the instance and calling through to it),
-  - positions and query_start_loc (the ForwardBatch the model receives),
+    observed by wrapping `engine.runner.plan` on the instance and calling through to it),
+  - positions and the rows that sample (the step the model receives, as the runner's StepLists),
   - every tap (module forward hooks), the model's final hidden state [T, H], and the logits
     `model.compute_logits` gives for every row of it (to compare all positions, not only sampled ones),
   - the logits the runner actually sampled from (`runner.logits_hook`), checked separately.
@@ -42,18 +42,17 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     """Record, from the runtime's own objects, each step's schedule (request, first token index, tokens) and
     the logits it sampled from; calls go straight through (instance attributes on this engine only)."""
     runner, state = engine.runner, {"first_computed": {}, "fused": [], "batches": []}
-    prepare = runner.prepare
+    plan = runner.plan
 
-    def observed_prepare(out, kv):
+    def observed_plan(out, kv):
         segments.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
         for s in out.scheduled:
             state["first_computed"].setdefault(int(s.request.request_id), s.num_computed_tokens)
-        prepared = prepare(out, kv)
-        batch = prepared[2]  # what the model will see: positions and the rows that sample
-        state["batches"].append((batch.positions.detach().cpu().clone(), batch.logits_indices.detach().cpu().clone()))
-        return prepared
+        step = plan(out, kv)  # what the model will see: positions and the rows that sample
+        state["batches"].append((torch.tensor(step.positions), torch.tensor(step.logits_indices, dtype=torch.int64)))
+        return step
 
-    runner.prepare = observed_prepare
+    runner.plan = observed_plan
     runner.logits_hook = lambda reqs, logits: sampled.append(
         ([r.request_id for r in reqs], logits.detach().float().cpu().clone()))
     if runner.fused is not None:

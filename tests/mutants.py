@@ -390,42 +390,43 @@ def planted(name: str, registry=None):
 
 
 # -- runtime mutants: planted into the runner / fused step (class attributes, restored on exit) ---------------
-def _chunk_restarts_at_zero(prepare):
+def _chunk_restarts_at_zero(plan):
     """A prefill chunk after the first gets positions 0.. instead of num_computed_tokens.. (rotary only: the
     slots and the causal mask still come from the right accounting)."""
     def buggy(self, out, kv):
-        input_ids, positions, batch = prepare(self, out, kv)
+        step = plan(self, out, kv)
+        qsl = step.query_start_loc_cpu
         for i, s in enumerate(out.scheduled):
-            a, b = batch.query_start_loc_cpu[i], batch.query_start_loc_cpu[i + 1]
+            a, b = qsl[i], qsl[i + 1]
             if s.num_computed_tokens > 0 and b - a > 1:
-                positions[a:b] -= s.num_computed_tokens  # the bug (batch.positions is this tensor)
-        return input_ids, positions, batch
+                step.positions[a:b] = [p - s.num_computed_tokens for p in step.positions[a:b]]  # the bug
+        return step
     return buggy
 
 
-def _samples_second_to_last_row(prepare):
+def _samples_second_to_last_row(plan):
     """Request 1 of a step samples from its second-to-last row when it has two or more new tokens."""
     def buggy(self, out, kv):
-        input_ids, positions, batch = prepare(self, out, kv)
-        qsl = batch.query_start_loc_cpu
+        step = plan(self, out, kv)
+        qsl = step.query_start_loc_cpu
         sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
         if len(sampling) > 1 and qsl[sampling[1] + 1] - qsl[sampling[1]] > 1:
-            batch.logits_indices[1] -= 1  # the bug
-        return input_ids, positions, batch
+            step.logits_indices[1] -= 1  # the bug
+        return step
     return buggy
 
 
-def _fused_logits_scaled(call):
+def _fused_logits_scaled(forward):
     """The fused native step's logits come out 1% too large (a temperature-like slip in that path only)."""
-    def buggy(self, input_ids, positions, batch):
-        return call(self, input_ids, positions, batch) * 1.01
+    def buggy(self, *args):
+        return forward(self, *args) * 1.01
     return buggy
 
 
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
-    "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "prepare", _chunk_restarts_at_zero),
-    "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "prepare", _samples_second_to_last_row),
-    "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "__call__", _fused_logits_scaled),
+    "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
+    "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
+    "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "_forward", _fused_logits_scaled),
 }
 
 

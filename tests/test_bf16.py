@@ -123,7 +123,7 @@ def test_fused_bf16_step_matches_float32_math_on_the_bf16_weights(arch, tmp_path
     for step, (cut, done) in enumerate([(6, 0), (7, 6), (8, 7), (12, 8)]):  # prefill, decodes, chunks
         seqs = [(p[:min(cut, len(p))], min(done, len(p) - 1)) for p in prompts]
         ids, batch = make_batch(seqs, kv, all_logits=False)
-        assert fused.usable(ids, batch)
+        assert fused.usable(batch)
         got = fused(ids, batch.positions, batch)
         ids, batch = make_batch(seqs, kv_ref, all_logits=False)
         kernels.set_enabled(False)
@@ -151,7 +151,7 @@ def test_fused_bf16_sees_a_norm_weight_modified_in_place(tmp_path):
     with torch.no_grad():
         model.model.norm.weight.mul_(3.0)
     ids, batch = make_batch([([5, 6, 7, 8], 0)], kv, all_logits=False)
-    assert fused.usable(ids, batch)
+    assert fused.usable(batch)
     after = fused(ids, batch.positions, batch)
     assert not torch.allclose(before, after)
 

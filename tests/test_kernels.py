@@ -305,6 +305,7 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
     from tiny import save_tiny
     from zoo.build import build_model
     from zoo.kernels.fused import FusedDecoder
+    from zoo.runtime.batch import StepLists
 
     overrides, qualifies = FUSED_ARCHS[arch]
     model, *_ = build_model(save_tiny(arch, tmp_path, initializer_range=0.2, **overrides))
@@ -325,9 +326,15 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
         ids, batch = make_batch(seqs, kv, all_logits=False)
         want = model.compute_logits(model(ids, batch.positions, batch)[batch.logits_indices])
         ids, batch = make_batch(seqs, mine, all_logits=False)
-        assert fused.usable(ids, batch)
+        assert fused.usable(batch)
         assert torch.equal(fused(ids, batch.positions, batch), want), f"step {step}"
         assert all(torch.equal(kv[k], mine[k]) for k in kv), f"step {step}: the caches differ"
+        lists = StepLists(ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist(),
+                          batch.query_start_loc.tolist(), batch.seq_lens.tolist(), [],
+                          batch.block_tables.flatten().tolist(), batch.block_tables.shape[1],
+                          batch.logits_indices.tolist())
+        assert torch.equal(fused.run(lists), want), f"step {step}: the runner's entry (host lists)"
+        assert all(torch.equal(kv[k], mine[k]) for k in kv), f"step {step}: the caches differ after run()"
 
 
 @pytest.mark.parametrize("lengths", [[3], [6], [11], [9, 2, 17]])
@@ -366,13 +373,13 @@ def test_fused_decoder_steps_aside_for_hooks(tmp_path):
     kv = allocate_kv(model, num_blocks=4, block_size=4, fill=0.0)
     fused = FusedDecoder.build(model, kv)
     ids, batch = make_batch([([5] * 8, 7)], kv, all_logits=False)
-    assert fused.usable(ids, batch)
+    assert fused.usable(batch)
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a parity tap
-    assert not fused.usable(ids, batch)
+    assert not fused.usable(batch)
     handle.remove()
     previous = kernels.set_enabled(False)
     try:
-        assert not fused.usable(ids, batch)
+        assert not fused.usable(batch)
     finally:
         kernels.set_enabled(previous)
 

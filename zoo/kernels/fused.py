@@ -6,8 +6,8 @@ the same order from C++ and returns the sampled rows' logits, equal bit for bit 
 `model.compute_logits(model(ids, positions, batch)[batch.logits_indices])` with the kernels on.
 
     fused = FusedDecoder.build(model, kv_caches)     # None when the model does not qualify
-    if fused is not None and fused.usable(input_ids, batch):
-        logits = fused(input_ids, positions, batch)  # [N, V]
+    if fused is not None and fused.usable(batch):
+        logits = fused(input_ids, positions, batch)  # [N, V]; fused.run(step lists) in the runner
 
 Qualifies: a model assembled from the Llama plugin's classes with their own forward methods (Llama, and
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
@@ -239,9 +239,9 @@ class FusedDecoder:
                     head_q=_float_or_blocks(head.weight, held)[1], held=held)
         return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta, converted)
 
-    def usable(self, input_ids: torch.Tensor, batch) -> bool:
-        """This step can take the driver: the same caches and weights, no hooks, kernels on."""
-        if batch.kv_caches is not self.kv_caches or not kernels.enabled():
+    def usable(self, batch=None) -> bool:
+        """Steps can take the driver: the same caches (batch's, when given) and weights, no hooks, kernels on."""
+        if (batch is not None and batch.kv_caches is not self.kv_caches) or not kernels.enabled():
             return False
         if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
             return False
@@ -257,37 +257,65 @@ class FusedDecoder:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         """logits [N, V] of the rows batch.logits_indices, writing the step's K/V into the caches."""
-        m = self.meta
         t = input_ids.shape[0]
-        num_positions = max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1
-        tables = [r.table(positions.device, torch.float32, num_positions) for r in m["ropes"]]  # [L, F] each
-        if len(tables) > 1:  # each layer's own table (they may be grown between steps)
-            for layer, i in zip(self.layers, m["layer_rope"]):
-                layer.cos, layer.sin = tables[i][0].data_ptr(), tables[i][1].data_ptr()
-        cos, sin = tables[0]
-        table_len = min(c.shape[0] for c, _ in tables)
-        long_rope = m["ropes"][0] if m["ropes"][0].long_past is not None else None
+        long_rope = self.meta["ropes"][0] if self.meta["ropes"][0].long_past is not None else None
         if long_rope is not None:  # longrope: the rows of the short/long halves (one rope: checked at the build)
-            positions = long_rope.table_rows(positions, batch, cos.shape[0] // 2)
+            positions = long_rope.table_rows(positions, batch, self._tables(batch.seq_lens_cpu)[0][0].shape[0] // 2)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"fused forward: input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]")
-        ids = kernels._int(input_ids, torch.int64)
-        pos = kernels._int(positions, torch.int64)
+        ids, pos = kernels._int(input_ids, torch.int64), kernels._int(positions, torch.int64)
         rows = kernels._int(batch.logits_indices, torch.int64)
         qsl, seq_lens, slots, tables = kernels._metadata(batch, t, True)
-        logits = torch.empty(rows.shape[0], m["vocab"])
+        return self._forward(t, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                             qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], rows.data_ptr(), rows.shape[0],
+                             batch.seq_lens_cpu)
+
+    def run(self, step) -> torch.Tensor:
+        """The same from a zoo.runtime.batch.StepLists (the runner's step as host lists): no tensor ops."""
+        t, b = len(step.input_ids), len(step.seq_lens_cpu)
+        if not (len(step.positions) == len(step.slot_mapping) == t and len(step.query_start_loc_cpu) == b + 1
+                and len(step.block_tables) == b * step.max_blocks):
+            raise ValueError("fused forward: the step's lists do not agree in length")
+        positions = step.positions
+        long_rope = self.meta["ropes"][0] if self.meta["ropes"][0].long_past is not None else None
+        if long_rope is not None:
+            half = self._tables(step.seq_lens_cpu)[0][0].shape[0] // 2
+            positions = long_rope.table_rows(torch.tensor(positions), step, half).tolist()
+        i64, i32 = ctypes.c_int64, ctypes.c_int32
+        arrays = [(i64 * t)(*step.input_ids), (i64 * t)(*positions), (i64 * t)(*step.slot_mapping),
+                  (i32 * len(step.block_tables))(*step.block_tables), (i32 * (b + 1))(*step.query_start_loc_cpu),
+                  (i32 * b)(*step.seq_lens_cpu), (i64 * len(step.logits_indices))(*step.logits_indices)]
+        ids, pos, slots, tables, qsl, seq_lens, rows = (ctypes.addressof(a) for a in arrays)
+        return self._forward(t, ids, pos, slots, tables, step.max_blocks, qsl, seq_lens, b, rows,
+                             len(step.logits_indices), step.seq_lens_cpu)
+
+    def _tables(self, seq_lens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each rope's cos, sin tables [L, F], grown to cover the step's longest sequence."""
+        num_positions = max(seq_lens) if seq_lens else 1
+        return [r.table(torch.device("cpu"), torch.float32, num_positions) for r in self.meta["ropes"]]
+
+    def _forward(self, t: int, ids: int, pos: int, slots: int, tables: int, max_blocks: int, qsl: int, seq_lens: int,
+                 b: int, rows: int, n: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+        """The native call on the step's metadata (addresses of int64 ids [T], positions [T], slots [T]; int32
+        tables [B, MB], query_start_loc [B + 1], seq_lens [B]; int64 rows [N]), which it checks before use."""
+        m = self.meta
+        rope_tables = self._tables(seq_lens_cpu)
+        if len(rope_tables) > 1:  # each layer's own table (they may be grown between steps)
+            for layer, i in zip(self.layers, m["layer_rope"]):
+                layer.cos, layer.sin = rope_tables[i][0].data_ptr(), rope_tables[i][1].data_ptr()
+        cos, sin = rope_tables[0]
+        table_len = min(c.shape[0] for c, _ in rope_tables)
+        logits = torch.empty(n, m["vocab"])
         nb, bs = next(iter(self.kv_caches.values())).shape[:2]
         lib = kernels._native()
         forward = lib.zoo_llama_forward_bf16 if m["bf16"] else lib.zoo_llama_forward
         bad = forward(
-            ids.data_ptr(), t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
+            ids, t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
             len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
-            pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs,
-            slots.data_ptr(), tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
-            seq_lens.data_ptr(), seq_lens.shape[0], m["final"].data_ptr(), rows.data_ptr(), rows.shape[0],
-            m["head"].data_ptr(), logits.data_ptr(), m["gemma"], m["embed_scale"], m["act"], kernels.threads(),
-            *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
+            pos, cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs, slots, tables, max_blocks, qsl,
+            seq_lens, b, m["final"].data_ptr(), rows, n, m["head"].data_ptr(), logits.data_ptr(), m["gemma"],
+            m["embed_scale"], m["act"], kernels.threads(), *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
                              f"tokens and the KV cache")

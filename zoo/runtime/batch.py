@@ -72,6 +72,22 @@ class MissingCache(LookupError):
 
 
 @dataclass
+class StepLists:
+    """One step's metadata as host lists, before it becomes a ForwardBatch's tensors (the fields of the same
+    names there). The runner builds it; the fused native step reads it as it is (no tensor ops: after a decode
+    step has streamed the weights through the caches, each torch op costs ~0.1 ms of misses on the CPU)."""
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    query_start_loc_cpu: list[int]  # [B+1]
+    seq_lens_cpu: list[int]  # [B]
+    num_tokens_cpu: list[int]  # [B]
+    block_tables: list[int]  # [B * MB], row-major, padded with 0
+    max_blocks: int  # MB
+    logits_indices: list[int]  # [N]
+
+
+@dataclass
 class ForwardBatch:
     query_start_loc: torch.Tensor  # [B+1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [B] int32, context length after this step

@@ -30,7 +30,7 @@ from zoo import kernels
 from zoo.kernels import host_sync
 from zoo.kernels import triton as triton_kernels
 from zoo.kernels.fused import FusedDecoder
-from zoo.runtime.batch import CacheSpec, ForwardBatch
+from zoo.runtime.batch import CacheSpec, ForwardBatch, StepLists
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
 from zoo.runtime.multimodal import MultiModal
 from zoo.runtime.request import Request
@@ -89,7 +89,9 @@ class ModelRunner:
         return "device path, the Triton kernels' torch references" if self.device.type == "cpu" or \
             triton_kernels.missing() else "device path, Triton kernels"
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def plan(self, out: SchedulerOutput, kv: KVCacheManager) -> StepLists:
+        """The step's metadata as host lists; also queues the prompt rows' logprob targets (self.prompt_targets)
+        and applies the SSM state copies the scheduler queued."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -115,36 +117,40 @@ class ModelRunner:
                     prompt_rows.append(qsl[-2] + p - start)
                     self.prompt_targets.append((req, p))
         width = max(len(t) for t in tables)
-        flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]  # [B * MB], padded with 0
+        if kv.state_snapshots is not None:  # queued boundary snapshots (saves) and prefix-hit restores
+            apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)
+        return StepLists(ids, positions, slots, qsl, seq_lens, [s.request.num_tokens for s in out.scheduled],
+                         [b for t in tables for b in (t + [0] * (width - len(t)))], width, sample_rows + prompt_rows)
 
+    def tensors(self, step: StepLists, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The step's (input_ids [T], positions [T], ForwardBatch) on the runner's device: the module path's input."""
         dev = self.device
         states = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled] if self.ssm_states else []
         # every field in one host buffer (copied to a device once)
         qsl_t, seq_t, positions_t, slots_t, tables_t, rows_t, input_ids, states_t = one_copy(
-            dev, qsl, seq_lens, positions, slots, flat_tables, sample_rows + prompt_rows, ids, states)
+            dev, step.query_start_loc_cpu, step.seq_lens_cpu, step.positions, step.slot_mapping, step.block_tables,
+            step.logits_indices, step.input_ids, states)
         qsl_t, seq_t, tables_t = qsl_t.to(torch.int32), seq_t.to(torch.int32), tables_t.to(torch.int32)
         batch = ForwardBatch(
             query_start_loc=qsl_t,
             seq_lens=seq_t,
             positions=positions_t,
             slot_mapping=slots_t,
-            block_tables=tables_t.view(len(tables), width),
+            block_tables=tables_t.view(len(step.seq_lens_cpu), step.max_blocks),
             logits_indices=rows_t,
             kv_caches=self.kv_caches,
-            block_size=bs,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            num_tokens_cpu=[s.request.num_tokens for s in out.scheduled],
+            block_size=self.block_size,
+            query_start_loc_cpu=step.query_start_loc_cpu,
+            seq_lens_cpu=step.seq_lens_cpu,
+            num_tokens_cpu=step.num_tokens_cpu,
         )
-        if kv.state_snapshots is not None:  # queued boundary snapshots (saves) and prefix-hit restores
-            apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)
         if self.ssm_states:  # each request's state slot; it holds a state only once tokens were computed
             batch.ssm_states = self.ssm_states
             batch.state_indices_cpu = states
             batch.has_initial_state_cpu = [s.num_computed_tokens > 0 for s in out.scheduled]
             batch.state_indices = states_t
         if self.mm is not None:  # image features for the placeholder rows this step covers (encoded if new)
-            batch.mm_positions, batch.mm_embeds = self.mm.gather(out.scheduled, qsl)  # [M], [M, H]
+            batch.mm_positions, batch.mm_embeds = self.mm.gather(out.scheduled, step.query_start_loc_cpu)  # [M], [M, H]
             batch.mrope_positions = self.mm.positions_3d(out.scheduled, dev)  # [3, T] or None
         return input_ids, positions_t, batch
 
@@ -152,15 +158,17 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and what they sampled (in the same order)."""
         t0 = time.perf_counter()
-        input_ids, positions, batch = self.prepare(out, kv)
-        t1 = time.perf_counter()
+        step = self.plan(out, kv)
         reqs = [s.request for s in out.scheduled if s.samples]
-        shape = dict(requests=len(out.scheduled), tokens=len(input_ids))
+        shape = dict(requests=len(out.scheduled), tokens=len(step.input_ids))
         guard = host_sync.forbid() if self.device_path and self.device.type == "cpu" else contextlib.nullcontext()
-        if self.fused is not None and self.fused.usable(input_ids, batch):
-            logits = self.fused(input_ids, positions, batch)  # [N, V], forward and head in one call
+        if self.fused is not None and self.mm is None and self.fused.usable():
+            t1 = time.perf_counter()
+            logits = self.fused.run(step)  # [N, V], forward and head in one call, straight from the lists
             t2 = t3 = time.perf_counter()
         else:
+            input_ids, positions, batch = self.tensors(step, out, kv)
+            t1 = time.perf_counter()
             with guard:  # (forced device path on the CPU: no host read inside the model's step)
                 hidden = self.model(input_ids, positions, batch)  # [T, H]
                 t2 = time.perf_counter()
