@@ -94,6 +94,7 @@ class FusedDecoder:
         self.model, self.kv_caches, self.params, self.meta = model, kv_caches, params, meta
         self.layers = layers  # ctypes array of _Layer
         self.ptrs = [p.data_ptr() for p in params]
+        self.long_rope = meta["ropes"][0] if meta["ropes"][0].long_past is not None else None  # (Phi-3)
         # bfloat16 models: (parameter, its float32 copy the driver reads, the parameter's version when copied)
         self.converted = converted or []
         mods = list(model.modules())  # hook registries, checked every step (registering mutates them in place)
@@ -258,9 +259,8 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         """logits [N, V] of the rows batch.logits_indices, writing the step's K/V into the caches."""
         t = input_ids.shape[0]
-        long_rope = self.meta["ropes"][0] if self.meta["ropes"][0].long_past is not None else None
-        if long_rope is not None:  # longrope: the rows of the short/long halves (one rope: checked at the build)
-            positions = long_rope.table_rows(positions, batch, self._tables(batch.seq_lens_cpu)[0][0].shape[0] // 2)
+        if self.long_rope is not None:
+            positions = self._table_rows(positions, batch)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"fused forward: input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]")
@@ -278,10 +278,8 @@ class FusedDecoder:
                 and len(step.block_tables) == b * step.max_blocks):
             raise ValueError("fused forward: the step's lists do not agree in length")
         positions = step.positions
-        long_rope = self.meta["ropes"][0] if self.meta["ropes"][0].long_past is not None else None
-        if long_rope is not None:
-            half = self._tables(step.seq_lens_cpu)[0][0].shape[0] // 2
-            positions = long_rope.table_rows(torch.tensor(positions), step, half).tolist()
+        if self.long_rope is not None:
+            positions = self._table_rows(torch.tensor(positions), step).tolist()
         i64, i32 = ctypes.c_int64, ctypes.c_int32
         arrays = [(i64 * t)(*step.input_ids), (i64 * t)(*positions), (i64 * t)(*step.slot_mapping),
                   (i32 * len(step.block_tables))(*step.block_tables), (i32 * (b + 1))(*step.query_start_loc_cpu),
@@ -289,6 +287,10 @@ class FusedDecoder:
         ids, pos, slots, tables, qsl, seq_lens, rows = (ctypes.addressof(a) for a in arrays)
         return self._forward(t, ids, pos, slots, tables, step.max_blocks, qsl, seq_lens, b, rows,
                              len(step.logits_indices), step.seq_lens_cpu)
+
+    def _table_rows(self, positions: torch.Tensor, step) -> torch.Tensor:
+        """longrope: each token's row in the short/long halves of the table (one rope: checked at the build)."""
+        return self.long_rope.table_rows(positions, step, self._tables(step.seq_lens_cpu)[0][0].shape[0] // 2)
 
     def _tables(self, seq_lens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each rope's cos, sin tables [L, F], grown to cover the step's longest sequence."""

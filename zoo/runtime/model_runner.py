@@ -5,8 +5,9 @@ prompt_logprobs), and samples.
 Shape legend (as in zoo/runtime/batch.py):
     T = tokens this step   B = requests this step   N = requests that sample   MB = max blocks of one request
 
-Metadata is built once per step in plain Python lists (a decode step has T = B entries) and becomes one
-tensor per ForwardBatch field: no per-request tensor ops. On the CPU with the native kernels on
+Metadata is built once per step in plain Python lists (`plan`: a StepLists; a decode step has T = B entries);
+the fused native step reads them as they are, the module path gets one tensor per ForwardBatch field
+(`tensors`): no per-request tensor ops. On the CPU with the native kernels on
 (zoo.kernels; ZOO_FAST=0 turns them off): the float32 weights are packed into one buffer in the order a
 step reads them (kernels.pack_weights), the KV caches live in transparent huge pages (kernels.huge_empty),
 and the steps of a Llama-structured model run as one native call
