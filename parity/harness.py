@@ -540,7 +540,7 @@ class _Run:
                     fails.append(f"greedy token: request {r} output {j} (position {len(p) + j}) is {token}, the "
                                  f"reference's argmax {int(want.argmax())}")
         fused = run.fused_steps
-        how = (f"the fused native step ran {sum(fused)} of {len(fused)} steps" if fused
+        how = (f"the fused native step ran {sum(fused)} of {run.num_steps} steps" if fused
                else "the module path (no fused step for this model or device)")
         res = ScenarioResult("served", f"{n} greedy tokens per prompt with no hooks on the model: {how}", not fails,
                              fails, cmp, first_divergence(cmp, self.tol) if fails else None,

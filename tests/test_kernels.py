@@ -294,6 +294,7 @@ FUSED_ARCHS = {  # arch -> (config overrides, whether the driver takes it)
     "Qwen3ForCausalLM": (dict(head_dim=16), True),  # q/k norms
     "Gemma3ForCausalLM": (dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
                                layer_types=["sliding_attention", "full_attention"]), True),
+    "LlavaForConditionalGeneration": (dict(), True),  # its Llama on steps without image rows
 }
 
 
@@ -307,8 +308,11 @@ def test_fused_decoder_equals_the_modules_bit_for_bit(arch, tmp_path):
     from zoo.kernels.fused import FusedDecoder
     from zoo.runtime.batch import StepLists
 
+    from multimodal_tiny import save_tiny_llava
+
     overrides, qualifies = FUSED_ARCHS[arch]
-    model, *_ = build_model(save_tiny(arch, tmp_path, initializer_range=0.2, **overrides))
+    model, *_ = build_model(save_tiny_llava(tmp_path) if arch.startswith("Llava") else
+                            save_tiny(arch, tmp_path, initializer_range=0.2, **overrides))
     vary(model, lambda name: "norm" in name, std=0.3, add=True)  # norms start at ones (zeros for Gemma)
     kernels.pack_weights(model)
     kv = allocate_kv(model, num_blocks=32, block_size=4, fill=0.0)

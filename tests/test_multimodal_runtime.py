@@ -54,12 +54,24 @@ def test_alone_equals_transformers_generate(tiny):
 
 
 def test_ragged_batch_with_text_only_requests(tiny):
+    """With the native kernels on, the steps without image rows (here the decodes) run the fused step, the others
+    the modules: both equal transformers."""
+    from zoo import kernels
+
     path, expected = tiny
     names = ["text0", "one", "none", "two", "text1"]
     prompts = {**PROMPTS, **{f"text{i}": (t, []) for i, t in enumerate(TEXT_ONLY)}}
-    outs = llm(path).generate([request(*prompts[n]) for n in names], GREEDY)
+    engine = llm(path)
+    runner, paths = engine.engine.runner, []
+    if kernels.enabled():
+        assert runner.fused is not None, runner.step_path
+        run, forward = runner.fused.run, runner.model.forward
+        runner.fused.run = lambda step: paths.append("fused") or run(step)
+        runner.model.forward = lambda *a: paths.append("modules") or forward(*a)
+    outs = engine.generate([request(*prompts[n]) for n in names], GREEDY)
     for name, out in zip(names, outs):
         assert out.token_ids == expected[name], name
+    assert not kernels.enabled() or (paths.count("fused") >= STEPS - 1 and "modules" in paths), paths
 
 
 def test_chunked_prefill_splitting_images_equals_one_shot(tiny):

@@ -21,6 +21,7 @@ caches, or bfloat16 ones (`zoo_llama_forward_bf16`: the matrices, the embedding,
 as bfloat16 and widened, float32 activations and arithmetic; the norm weights and biases, a few KB, converted to
 float32 once here and converted again when a step finds them modified), or block-quantised matrices with float32
 caches (a GGUF kept quantised: each linear, the embedding and the head on the block kernels).
+LLaVA's language model qualifies the same way, on a step without image rows (the runner's choice).
 A step qualifies when no forward hook is registered (parity taps see every module).
 Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 """
@@ -48,6 +49,15 @@ _FORWARDS = {
     "attention": ("LlamaAttention.forward", "LlamaAttention.norm_qk"),
 }
 _PLUGIN = "plugins.llama"
+# LLaVA around such a decoder (defined in _LLAVA): its forwards pass the step on to the language model, its
+# compute_logits is the head's, and the language model's embed (MultimodalEmbedding's) is LlamaModel.embed on a
+# step without image rows, the only steps the runner gives the driver (ModelRunner.execute)
+_LLAVA_FORWARDS = {
+    "model": ("LlavaForConditionalGeneration.forward", "LlavaForConditionalGeneration.compute_logits"),
+    "model.model": ("LlavaModel.forward",),
+    "embed": ("MultimodalEmbedding.embed",),
+}
+_LLAVA = "plugins.llava"
 # the decoder layers' forward methods it knows: (qualified name, module) -> kind
 _LAYERS = {("LlamaDecoderLayer.forward", "plugins.llama"): "llama",
            ("Gemma3DecoderLayer.forward", "plugins.gemma3"): "gemma3"}  # norms around both blocks' outputs
@@ -65,12 +75,25 @@ class _Layer(ctypes.Structure):
         (name, ctypes.c_long) for name in ("experts", "top_k", "renorm", "moe_inter")]
 
 
-def _own_forwards(obj, names) -> bool:
+def _own_forwards(obj, names, plugin: str = _PLUGIN) -> bool:
     for name in names:
         fn = getattr(type(obj), name.split(".")[-1], None)
-        if fn is None or fn.__qualname__ != name or fn.__module__ != _PLUGIN:
+        if fn is None or fn.__qualname__ != name or fn.__module__ != plugin:
             return False
     return True
+
+
+def _decoder(model):
+    """The Llama-structured decoder whose embedding, layers and norm the driver runs (a Llama's own, or the
+    language model inside LLaVA), or None."""
+    if _own_forwards(model, _FORWARDS["model"]):
+        return model.model if _own_forwards(model.model, _FORWARDS["model.model"]) else None
+    if not (_own_forwards(model, _LLAVA_FORWARDS["model"], _LLAVA)
+            and _own_forwards(model.model, _LLAVA_FORWARDS["model.model"], _LLAVA)):
+        return None
+    inner = model.model.language_model
+    return inner if _own_forwards(inner, ("LlamaModel.forward",)) and _own_forwards(
+        inner, _LLAVA_FORWARDS["embed"], _LLAVA) else None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -120,10 +143,10 @@ class FusedDecoder:
 
     @classmethod
     def _build(cls, model, kv_caches):
-        inner = model.model
-        if not (_own_forwards(model, _FORWARDS["model"]) and _own_forwards(inner, _FORWARDS["model.model"])):
-            return (f"{type(model).__name__} or {type(inner).__name__} overrides forward, compute_logits or embed "
-                    f"(the driver reproduces {_PLUGIN}'s)")
+        inner = _decoder(model)
+        if inner is None:
+            return (f"{type(model).__name__} or {type(model.model).__name__} overrides forward, compute_logits or "
+                    f"embed (the driver reproduces {_PLUGIN}'s, or LLaVA's around them)")
         embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
         if not (type(embed) is VocabEmbedding and type(head) is LMHead
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):

@@ -11,8 +11,9 @@ the fused native step reads them as they are, the module path gets one tensor pe
 (zoo.kernels; ZOO_FAST=0 turns them off): the float32 weights are packed into one buffer in the order a
 step reads them (kernels.pack_weights), the KV caches live in transparent huge pages (kernels.huge_empty),
 and the steps of a Llama-structured model run as one native call
-(zoo.kernels.fused: the same kernels as the module path, equal logits bit for bit, no per-layer Python);
-other steps, other models and hooked models (parity taps) run the modules.
+(zoo.kernels.fused: the same kernels as the module path, equal logits bit for bit, no per-layer Python; LLaVA's
+language model on the steps without image rows); other steps, other models and hooked models (parity taps) run
+the modules.
 The device path (CUDA, or forced on the CPU with ZOO_DEVICE_PATH=1 / kernels.set_device_path): the modules with
 the Triton kernels (their torch references on the CPU), the step's metadata in one host-to-device copy
 (`one_copy`), and no host read inside the model's forward (forced on the CPU: zoo.kernels.host_sync raises on one).
@@ -80,7 +81,8 @@ class ModelRunner:
             "the device is not the CPU" if self.device.type != "cpu" else "the native kernels are off"
         self.fused = built if isinstance(built, FusedDecoder) else None
         # which path a step takes, and why (zoo run says it; docs/plugins.md: what keeps a model on the fast one)
-        self.step_path = "fused native step (one call per step)" if self.fused is not None else \
+        self.step_path = "fused native step (one call per step" + (
+            "; a step with image rows runs the modules)" if MultiModal.supports(model) else ")") if self.fused else \
             f"module path ({'native kernels per module' if native else self._kernels()}): the fused step does not apply: {built}"
         self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
 
@@ -163,7 +165,7 @@ class ModelRunner:
         reqs = [s.request for s in out.scheduled if s.samples]
         shape = dict(requests=len(out.scheduled), tokens=len(step.input_ids))
         guard = host_sync.forbid() if self.device_path and self.device.type == "cpu" else contextlib.nullcontext()
-        if self.fused is not None and self.mm is None and self.fused.usable():
+        if self.fused is not None and (self.mm is None or not self.mm.covers(out.scheduled)) and self.fused.usable():
             t1 = time.perf_counter()
             logits = self.fused.run(step)  # [N, V], forward and head in one call, straight from the lists
             t2 = t3 = time.perf_counter()

@@ -274,6 +274,12 @@ class MultiModal:
         return torch.cat(parts, dim=1).to(device)  # [3, T]
 
     # -- one step ---------------------------------------------------------------------------------------
+    def covers(self, scheduled) -> bool:
+        """Whether a scheduled span overlaps an image's placeholder rows (a step without: text alone)."""
+        return any(max(s.num_computed_tokens, item.offset) < min(s.num_computed_tokens + s.num_new_tokens,
+                                                                  item.offset + item.length)
+                   for s in scheduled for item in s.request.mm_items)
+
     def gather(self, scheduled, query_start_loc: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(rows of the step [M], their features [M, H]) for the images the scheduled spans overlap, running
         the encoder (once per distinct image) for those not cached; (None, None) when no span overlaps one."""
