@@ -87,11 +87,12 @@ def test_bf16_cache_attention_equals_float32_on_the_rounded_values(d, window):
     assert torch.equal(half.float(), full), "the bfloat16 cache does not hold k and v rounded to nearest even"
 
 
-FUSED = {  # arch -> config overrides (the three layer kinds the driver knows)
+FUSED = {  # arch -> config overrides (the layer kinds the driver knows: dense three ways, and MoE)
     "LlamaForCausalLM": dict(tie_word_embeddings=True, attention_bias=True),
     "Qwen3ForCausalLM": dict(head_dim=16),
     "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
                               layer_types=["sliding_attention", "full_attention"]),
+    "MixtralForCausalLM": dict(),  # the routed experts (cpu.cpp's moe_experts on bfloat16 experts)
 }
 
 

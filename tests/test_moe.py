@@ -163,6 +163,11 @@ def test_native_experts_equal_the_torch_dispatch(rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(IndexError, match=r"expert ids must lie in \[0, 8\)"):
         kernels.moe_experts(x, ids + 8, weights, w13, w2, "silu")
+    # bfloat16 experts (the fused bfloat16 step's): read widened, the float32 kernel's result on the same values
+    # up to the order of the sums (on AVX2 the rows are read as even / odd halves, x permuted to match)
+    half = twice(lambda: kernels.moe_experts(x, ids, weights, w13.bfloat16(), w2.bfloat16(), "silu"))
+    rounded = kernels.moe_experts(x, ids, weights, w13.bfloat16().float(), w2.bfloat16().float(), "silu")
+    torch.testing.assert_close(half, rounded, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -85,6 +85,7 @@ _SIGNATURES = {
 }
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
+_SIGNATURES["zoo_moe_experts_bf16"] = _SIGNATURES["zoo_moe_experts"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
 _RESTYPES = {"zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
              "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
@@ -559,8 +560,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 down: torch.Tensor, kind: str) -> torch.Tensor:
     """The routed experts of a MoE block in one call: x [T, H], topk_ids / topk_weights [T, K], gate_up [E, 2I, H]
     (gate rows, then up rows), down [E, H, I], kind "silu" or "gelu_tanh" -> [T, H] = per token the sum over its
-    experts e (ascending id) of weight * down_e(act(gate_e x) * up_e x), as zoo.layers.moe.StackedExperts."""
-    _float32("moe_experts", "x topk_weights gate_up down", x, topk_weights, gate_up, down)
+    experts e (ascending id) of weight * down_e(act(gate_e x) * up_e x), as zoo.layers.moe.StackedExperts.
+    gate_up and down may both be bfloat16 (read widened: float32 x, weights, result and arithmetic)."""
+    bf16 = gate_up.dtype is down.dtype is torch.bfloat16 and gate_up.is_cpu and down.is_cpu
+    _float32("moe_experts", "x topk_weights gate_up down", x, topk_weights, *((None, None) if bf16 else (gate_up, down)))
     if (x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]
             or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] != x.shape[1]
             or down.shape != (gate_up.shape[0], x.shape[1], gate_up.shape[1] // 2) or gate_up.shape[1] % 2
@@ -576,9 +579,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     gate_up, down = gate_up.contiguous(), down.contiguous()
     out = torch.empty(t, x.shape[1])
     if t:
-        _native().zoo_moe_experts(x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1],
-                                  gate_up.data_ptr(), down.data_ptr(), e, down.shape[2],
-                                  1 if kind == "gelu_tanh" else 0, out.data_ptr(), threads())
+        lib = _native()
+        (lib.zoo_moe_experts_bf16 if bf16 else lib.zoo_moe_experts)(
+            x.data_ptr(), t, x.shape[1], ids.data_ptr(), wts.data_ptr(), ids.shape[1], gate_up.data_ptr(),
+            down.data_ptr(), e, down.shape[2], 1 if kind == "gelu_tanh" else 0, out.data_ptr(), threads())
     return out
 
 

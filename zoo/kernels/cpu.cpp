@@ -1512,6 +1512,14 @@ static void grouped_gemv(const std::vector<ExpertGroup>& groups, const float* x,
                          long K, float* y, long ldy, int nt) {
     const long total = (long)groups.size() * N;
     if (total == 0) return;
+    if constexpr (sizeof(W) == 2 && BF16_EO) {  // the groups' rows of x in the order load_eo reads w's (linear)
+        static thread_local std::vector<float> eo_store;
+        const ExpertGroup& last = groups.back();  // (the groups ascend: their rows end with the last one's)
+        const long rows = last.start + last.n;
+        float* xe = room(eo_store, rows * K + 1);
+        for (const ExpertGroup& g : groups) eo_rows(x + g.start * ldx, g.n, ldx, K, xe + g.start * K);
+        x = xe, ldx = K;
+    }
     const int threads = total * K >= 65536 ? nt : 1;
     paired_ranges(total, 16, threads, [&](long b, long e) {
         for (long i = b; i < e;) {
@@ -1575,6 +1583,12 @@ static void moe_experts(const float* x, long T, long Hd, const int64_t* ids, con
 
 extern "C" void zoo_moe_experts(const float* x, long T, long Hd, const int64_t* ids, const float* wts, long K,
                                 const float* w13, const float* w2, long E, long I, int act, float* out, int nt) {
+    moe_experts(x, T, Hd, ids, wts, K, w13, w2, E, I, act, out, nt);
+}
+
+// the same with bfloat16 experts (float32 x, weights, out and arithmetic)
+extern "C" void zoo_moe_experts_bf16(const float* x, long T, long Hd, const int64_t* ids, const float* wts, long K,
+                                     const bf16* w13, const bf16* w2, long E, long I, int act, float* out, int nt) {
     moe_experts(x, T, Hd, ids, wts, K, w13, w2, E, I, act, out, nt);
 }
 

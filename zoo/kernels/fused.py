@@ -13,7 +13,7 @@ Qualifies: a model assembled from the Llama plugin's classes with their own forw
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
 per-head q/k norms) or Gemma3's decoder layer (norms around both blocks' outputs, (1 + w) norms, a scaled
 embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps throughout, SiLU or GELU-tanh
-gated MLPs or, in float32, MoE blocks of softmax top-k routing over stacked experts without a shared expert
+gated MLPs or MoE blocks of softmax top-k routing over stacked experts without a shared expert
 (Mixtral, Qwen3-MoE: the router's logits from the native GEMM where the module path has torch's F.linear, so
 those logits, and the rest after them, agree with the module path to rounding, not bit for bit; the experts
 are cpu.cpp's moe_experts, the module path's kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
@@ -221,8 +221,6 @@ class FusedDecoder:
             cache = kv_caches[attn.prefix]
             if cache.dtype is not dtype or not cache.is_contiguous() or not cache.is_cpu:
                 return f"{attn.prefix}: the KV cache is not {dtype} (the weights' dtype), contiguous, on the CPU"
-            if moe and dtype is not torch.float32:
-                return f"{layer.prefix}.mlp: MoE experts in {dtype} (the driver runs them in float32 only)"
             w[0], w[3], *b = small(w[0]), small(w[3]), *(small(x) for x in b)
             (qkv, qkv_q), (o, o_q) = (_float_or_blocks(x, held) for x in (w[1], w[2]))
             (gu, gu_q), (down, down_q) = ((None, None), (None, None)) if moe else (
