@@ -222,7 +222,7 @@ class Mapper:
 
     def unrename(self, name: str) -> str:
         for r in reversed(self.rules.renames):
-            if r.dst:
+            if r.dst or r.src.startswith("^"):  # (an unanchored rename to "" has no one place to undo at)
                 name = _rename(name, r.dst, r.src.removeprefix("^"), anchored=r.src.startswith("^"))
         return name
 

@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from loader import Fuse, Ignore, LoadError, Rules, Stack, Tie, load, materialize, on_meta, open_source, plan
+from loader import Fuse, Ignore, LoadError, Rename, Rules, Stack, Tie, load, materialize, on_meta, open_source, plan
 from tiny import load_reference, save_tiny
 
 IDS = torch.tensor([[1, 5, 9, 3, 7, 11]])
@@ -134,6 +134,32 @@ def test_fuse_takes_grouped_query_sizes_from_the_checkpoint(tiny_dir):
     prov = report.provenance["model.layers.0.self_attn.qkv_proj.weight"]
     assert sorted((k.split(".")[-2], str(r)) for k, _, r in prov) == [
         ("k_proj", "[rows 64:96]"), ("q_proj", "[rows 0:64]"), ("v_proj", "[rows 96:128]")]
+
+
+def test_a_prefix_renamed_away_still_maps_back_to_the_checkpoint_keys(tiny_dir):
+    """Another engine's modules without transformers' `model.` prefix (Rename("^model.", "")): the checkpoint's
+    q/k/v shapes still give the fused split, and a missing key is named as the checkpoint spells it."""
+    config = transformers.AutoConfig.from_pretrained(tiny_dir)
+
+    def build():
+        with torch.device("meta"):
+            m = nn.Module()
+            m.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+            for layer in m.layers:
+                layer.self_attn = nn.Module()
+                layer.self_attn.qkv_proj = nn.Linear(config.hidden_size, 128, bias=False)  # 64 + 32 + 32 rows
+        return m
+
+    rules = Rules(renames=(Rename("^model.", ""),), fuses=(Fuse(("q_proj", "k_proj", "v_proj"), "qkv_proj"),),
+                  ignores=(Ignore(r"(mlp|norm|layernorm|embed_tokens|lm_head|o_proj)", "not in this module"),))
+    model = build()
+    load(model, tiny_dir, rules)
+    ref = load_reference(tiny_dir)
+    r = ref.model.layers[1].self_attn
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight,
+                       torch.cat([r.q_proj.weight, r.k_proj.weight, r.v_proj.weight]))
+    model.layers[1].self_attn.extra = nn.Linear(2, 2, bias=False).to("meta")
+    assert "missing: model.layers.1.self_attn.extra.weight" in str(plan(model, tiny_dir, rules).problems[0])
 
 
 def test_fuse_checkpoint_sizes_beat_an_equal_split(tmp_path):
