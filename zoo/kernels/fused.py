@@ -146,7 +146,7 @@ class FusedDecoder:
         inner = _decoder(model)
         if inner is None:
             return (f"{type(model).__name__} or {type(model.model).__name__} overrides forward, compute_logits or "
-                    f"embed (the driver reproduces {_PLUGIN}'s, or LLaVA's around them)")
+                    f"embed (the driver reproduces {_PLUGIN}'s)")
         embed, head, final = inner.embed_tokens, model.lm_head, inner.norm
         if not (type(embed) is VocabEmbedding and type(head) is LMHead
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
