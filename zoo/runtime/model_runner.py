@@ -81,8 +81,8 @@ class ModelRunner:
             "the device is not the CPU" if self.device.type != "cpu" else "the native kernels are off"
         self.fused = built if isinstance(built, FusedDecoder) else None
         # which path a step takes, and why (zoo run says it; docs/plugins.md: what keeps a model on the fast one)
-        self.step_path = "fused native step (one call per step" + (
-            "; a step with image rows runs the modules)" if MultiModal.supports(model) else ")") if self.fused else \
+        images = "; a step with image rows runs the modules" if MultiModal.supports(model) else ""
+        self.step_path = f"fused native step (one call per step{images})" if self.fused is not None else \
             f"module path ({'native kernels per module' if native else self._kernels()}): the fused step does not apply: {built}"
         self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
 

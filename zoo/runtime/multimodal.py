@@ -202,6 +202,12 @@ class EncoderCache:
             self.release(key, request_id)
 
 
+def _overlap(s, item: ImageItem) -> tuple[int, int]:
+    """The prompt positions [lo, hi) of the item's placeholders that the scheduled span s computes (none: lo >= hi)."""
+    start = s.num_computed_tokens
+    return max(start, item.offset), min(start + s.num_new_tokens, item.offset + item.length)
+
+
 class MultiModal:
     """The runtime's multimodal side for one model: processing at admission, encoding and gathering per step."""
 
@@ -276,20 +282,18 @@ class MultiModal:
     # -- one step ---------------------------------------------------------------------------------------
     def covers(self, scheduled) -> bool:
         """Whether a scheduled span overlaps an image's placeholder rows (a step without: text alone)."""
-        return any(max(s.num_computed_tokens, item.offset) < min(s.num_computed_tokens + s.num_new_tokens,
-                                                                  item.offset + item.length)
-                   for s in scheduled for item in s.request.mm_items)
+        return any(lo < hi for s in scheduled for lo, hi in (_overlap(s, item) for item in s.request.mm_items))
 
     def gather(self, scheduled, query_start_loc: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(rows of the step [M], their features [M, H]) for the images the scheduled spans overlap, running
         the encoder (once per distinct image) for those not cached; (None, None) when no span overlaps one."""
         wanted = []  # (request id, item, first row of the overlap in the step, slice of the item's rows)
         for s, q0 in zip(scheduled, query_start_loc):
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             for item in s.request.mm_items:
-                lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+                lo, hi = _overlap(s, item)
                 if lo < hi:
-                    wanted.append((s.request.request_id, item, q0 + lo - start, lo - item.offset, hi - item.offset))
+                    wanted.append((s.request.request_id, item, q0 + lo - s.num_computed_tokens, lo - item.offset,
+                                   hi - item.offset))
         if not wanted:
             return None, None
         feats, todo = {}, {}  # hash -> [F, H] found; hash -> item to encode
