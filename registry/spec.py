@@ -53,5 +53,17 @@ class ArchSpec:
             raise PluginError(f"{self._who()}: the model constructor {cls.__name__}(config) raised {describe(e)}"
                               ) from e
 
+    def check(self, config) -> None:
+        """The plugin's `validate(config)`, if any. Its ValueError (a config field it cannot serve) goes up as it is;
+        any other exception is a bug in the plugin: a PluginError naming the file:line of the raise, as `build`."""
+        if self.validate is None:
+            return
+        try:
+            self.validate(config)
+        except ValueError:
+            raise
+        except (Exception, SystemExit) as e:  # noqa: BLE001
+            raise PluginError(f"{self._who()}: validate(config) raised {describe(e)}") from e
+
     def _who(self) -> str:
         return f"plugin {self.plugin or '?'!r}, architecture {self.architectures[0]!r}"

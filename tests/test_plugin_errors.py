@@ -1,7 +1,7 @@
 """Broken third-party plugins, installed as real distributions (a .dist-info with entry points on PYTHONPATH,
 as tests/example_plugin is): each failure is one line naming the plugin, the architecture and the original
-error (the file:line of the raise), in `zoo run`, `zoo inspect` and `zoo parity` alike; `zoo list` shows a
-status per architecture; `zoo --help` survives a broken command. The commands of one environment run in one
+error (the file:line of the raise), in `zoo run`, `zoo serve`, `zoo inspect` and `zoo parity` alike; `zoo list`
+shows a status per architecture; `zoo --help` survives a broken command. The commands of one environment run in one
 subprocess (calling zoo.cli.main in turn, a fresh registry each) to keep this cheap."""
 import json
 import os
@@ -29,12 +29,18 @@ PLUGINS = {  # module -> source; the line numbers of the raises are asserted bel
                 raise ValueError("boom in the constructor")
 
 
+        def validate_badly(config):
+            return {}["no_such_field"]
+
+
         @hookimpl
         def register_architectures(register):
             register(ArchSpec(("MissingForCausalLM",), "zoo_missing_models:Nope", "dense", rules=LLAMA_RULES))
             register(ArchSpec(("RaisingForCausalLM",), "zoo_bad_models:RaisingForCausalLM", "dense",
                               rules=LLAMA_RULES))
             register(ArchSpec(("DivideForCausalLM",), "zoo_divides:Model", "dense", rules=LLAMA_RULES))
+            register(ArchSpec(("CheckingForCausalLM",), "plugins.llama:LlamaForCausalLM", "dense", rules=LLAMA_RULES,
+                              validate=validate_badly))
         '''),
     "zoo_divides": "x = 1\ny = x / 0\n",
     "zoo_evil": textwrap.dedent('''\
@@ -96,7 +102,7 @@ def site(tmp_path_factory):
     (info / "entry_points.txt").write_text(ENTRY_POINTS)
     base = save_chat_model(root / "llama")
     ckpts = {"llama": base}
-    for arch in ("MissingForCausalLM", "RaisingForCausalLM", "DivideForCausalLM"):
+    for arch in ("MissingForCausalLM", "RaisingForCausalLM", "DivideForCausalLM", "CheckingForCausalLM"):
         ckpt = shutil.copytree(base, root / arch)
         cfg = json.loads((base / "config.json").read_text())
         (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
@@ -122,7 +128,9 @@ def last_line(text: str) -> str:
 
 BAD = {"ZOO_PLUGINS": "exits,bad,nosuch"}
 EVIL = {"ZOO_PLUGINS": "evil"}
-USES = ("MissingForCausalLM", "RaisingForCausalLM", "DivideForCausalLM")
+USES = ("MissingForCausalLM", "RaisingForCausalLM", "DivideForCausalLM", "CheckingForCausalLM")
+COMMANDS = (("run", ["--prompt", "w1", "--max-tokens", "1"]), ("serve", ["--port", "0"]), ("inspect", []),
+            ("parity", ["--quiet", "--scenario", "prefill"]))
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +139,7 @@ def results(site):
     root, ck = site
     cases = [
         (["--help"], BAD), (["brokencmd"], BAD), (["exitcmd"], BAD), (["norun"], BAD), (["list"], BAD),
-        *[([cmd, str(ck[arch]), *extra], BAD) for arch in USES
-          for cmd, extra in (("run", ["--prompt", "w1", "--max-tokens", "1"]), ("inspect", []),
-                             ("parity", ["--quiet", "--scenario", "prefill"]))],
+        *[([cmd, str(ck[arch]), *extra], BAD) for arch in USES for cmd, extra in COMMANDS],
         (["list"], EVIL), (["run", str(ck["llama"]), "--prompt", "w1"], EVIL),
         (["run", str(ck["llama"]), "--prompt", "w1", "--max-tokens", "1"], {"ZOO_PLUGINS": ""}),
     ]
@@ -141,7 +147,7 @@ def results(site):
 
 
 def test_broken_plugins_are_one_line_errors_in_every_command(results):
-    (help_, broken, exits, norun, listing, *uses) = results[:5 + 3 * len(USES)]
+    (help_, broken, exits, norun, listing, *uses) = results[:5 + len(COMMANDS) * len(USES)]
     assert help_[0] == 0 and "list" in help_[1]
     text = " ".join(help_[1].split())  # (argparse wraps the help column)
     assert "brokencmd (broken: does not load: ModuleNotFoundError: No module named 'zoo_no_such_cmd_module')" in text
@@ -171,10 +177,14 @@ def test_broken_plugins_are_one_line_errors_in_every_command(results):
         "RaisingForCausalLM": "plugin 'bad', architecture 'RaisingForCausalLM': the model constructor "
                               "RaisingForCausalLM(config) raised ValueError: boom in the constructor (at ",
         "DivideForCausalLM": "does not import: ZeroDivisionError: division by zero (at ",
+        "CheckingForCausalLM": "plugin 'bad', architecture 'CheckingForCausalLM': validate(config) raised "
+                               "KeyError: 'no_such_field' (at ",
     }
-    where = {"RaisingForCausalLM": "zoo_bad_models.py:7)", "DivideForCausalLM": "zoo_divides.py:2)"}
+    where = {"RaisingForCausalLM": "zoo_bad_models.py:7)", "DivideForCausalLM": "zoo_divides.py:2)",
+             "CheckingForCausalLM": "zoo_bad_models.py:11)"}
+    n = len(COMMANDS)
     for i, arch in enumerate(wanted):
-        for (code, out, err), cmd in zip(uses[3 * i:3 * i + 3], ("run", "inspect", "parity")):
+        for (code, out, err), (cmd, _) in zip(uses[n * i:n * i + n], COMMANDS):
             line = last_line(out if cmd == "inspect" else err)  # (zoo inspect reports on stdout)
             assert code == 2, (arch, cmd, out, err)
             assert line.startswith(f"zoo {cmd}: ") and wanted[arch] in line, (arch, cmd, line)
@@ -182,7 +192,7 @@ def test_broken_plugins_are_one_line_errors_in_every_command(results):
 
 
 def test_a_third_party_claim_on_a_builtin_is_a_conflict_with_its_way_out(results):
-    (listing, run, fixed) = results[5 + 3 * len(USES):]
+    (listing, run, fixed) = results[5 + len(COMMANDS) * len(USES):]
     code, out, err = listing
     assert code == 0 and err == ""
     row = next(line for line in out.splitlines() if line.startswith("LlamaForCausalLM "))

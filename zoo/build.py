@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import loader
-from registry import get_registry
+from registry import PluginError, get_registry
 from zoo import kernels
 from zoo.runtime.model_files import ConfigError, read_config, validate_config
 
@@ -63,9 +63,12 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
 
 
 def validate_spec(spec, config) -> None:
-    """The plugin's own check of the config (ArchSpec.validate): a ConfigError naming the architecture."""
+    """The plugin's own check of the config (ArchSpec.validate): a ConfigError naming the architecture, or a
+    PluginError when the check itself fails (ArchSpec.check)."""
     try:
-        spec.validate(config)
+        spec.check(config)
+    except PluginError:
+        raise
     except ValueError as e:
         raise ConfigError(f"{spec.architectures[0]} (plugin {spec.plugin}) does not serve this config: {e}") from e
 

@@ -126,12 +126,10 @@ def _build(source, use_transformers: bool, tp_size: int = 1):
             model = transformers.AutoModelForCausalLM.from_config(config)
         return model, Rules(), f"transformers {type(model).__name__} (identity rules)"
     from registry import get_registry
+    from zoo.build import rules_for, tensor_parallel_model, validate_spec
 
     spec = get_registry().resolve(config)
-    if spec.validate is not None:
-        spec.validate(config)
-    from zoo.build import rules_for, tensor_parallel_model
-
+    validate_spec(spec, config)  # (a PluginError for a check that fails itself, as for a constructor)
     if tp_size > 1:
         model, rules = tensor_parallel_model(spec, config, tp_size)
     else:

@@ -307,7 +307,7 @@ def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
     return ids
 
 
-def _load(args, **engine):
+def _load(args, command: str = "zoo run", **engine):
     """The LLM of args.model (args.dtype; `engine`: more LLM keywords), or the exit status after saying why."""
     from loader import LoadError
     from registry import RegistryError, UnsupportedArchitecture
@@ -327,12 +327,12 @@ def _load(args, **engine):
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
             TensorParallelError, Refused, ValueError) as e:  # (ValueError: an option refused, e.g. no KV room)
         progress.done("failed")
-        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2)
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 2, command)
     except LoadError as e:  # a SourceError too: with problems, a strictness finding (1); without, nothing to load (2)
         progress.done("failed")
         if exit_status(e) == 1:
-            return _fail(f"the checkpoint does not load strictly:\n{e}", 1)
-        return _fail(str(e), 2)
+            return _fail(f"the checkpoint does not load strictly:\n{e}", 1, command)
+        return _fail(str(e), 2, command)
     kv = llm.engine.kv
     quant = getattr(llm.load_report, "quantized", None)
     kept = f" ({len(quant)} weights kept quantized: {', '.join(sorted({q.split()[0] for q in quant.values()}))})" \

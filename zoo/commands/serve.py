@@ -52,7 +52,7 @@ def run(args) -> int:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2, "zoo serve")
-    llm = _load(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = _load(args, "zoo serve", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     if isinstance(llm, int):
         sock.close()
         return llm
