@@ -20,8 +20,9 @@ class PluginError(RegistryError, ValueError):
 
 def describe(exc: BaseException) -> str:
     """'Type: first line of the message (at file:line)', the place being the innermost frame of the raise below
-    the frame that caught it, outside importlib and this package (none for a module that is not found; a
-    syntax error: its own file and line); sys.exit reads as such."""
+    the frame that caught it, outside importlib, this package and generated code (a dataclass's `__init__` is
+    "<string>": the plugin's own call is named instead; none for a module that is not found; a syntax error: its
+    own file and line); sys.exit reads as such."""
     if isinstance(exc, SystemExit):
         what = f"called sys.exit({exc.code!r})"
     else:
@@ -31,7 +32,7 @@ def describe(exc: BaseException) -> str:
         return f"{what} (at {_short(exc.filename)}:{exc.lineno})"
     here = os.path.dirname(os.path.abspath(__file__))
     frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:]
-              if not f.filename.startswith("<frozen") and "importlib" not in f.filename
+              if not f.filename.startswith("<") and "importlib" not in f.filename
               and os.path.dirname(os.path.abspath(f.filename)) != here]
     return f"{what} (at {_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else what
 
