@@ -161,8 +161,12 @@ class Registry:
         raise UnsupportedArchitecture(self._unsupported_message(wanted), dict(self.failures))
 
     def _unsupported_message(self, wanted: list[str]) -> str:
-        """One line: what was asked, what is served, and every plugin that failed to load (it may have served it)."""
-        parts = [f"unsupported architecture {', '.join(wanted)}; supported: {', '.join(sorted(self.specs))}"]
+        """One line: what was asked, what is served, what is not because two plugins claim it, and every plugin that
+        failed to load (it may have served it; a conflict's names both plugins)."""
+        served = sorted(a for a in self.specs if a not in self.conflicts)
+        parts = [f"unsupported architecture {', '.join(wanted)}; supported: {', '.join(served)}"]
+        if self.conflicts:
+            parts.append(f"in conflict, so not served: {', '.join(sorted(self.conflicts))}")
         parts += [f"plugin {name!r} failed to load: {describe(exc)}" for name, exc in self.failures.items()]
         return "; ".join(parts)
 

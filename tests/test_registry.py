@@ -110,6 +110,11 @@ def test_two_entry_points_claiming_one_architecture_make_it_ambiguous():
     assert reg.get("OtherForCausalLM").plugin == "first"  # the rest of the first plugin still serves
     with pytest.raises(UnsupportedArchitecture, match="claimed by two plugins: 'first' and 'second'"):
         reg.resolve({"architectures": ["FooForCausalLM"]})
+    with pytest.raises(UnsupportedArchitecture) as err:  # another architecture: the conflict is not listed as served
+        reg.resolve({"architectures": ["NopeForCausalLM"]})
+    assert "; supported: OtherForCausalLM; in conflict, so not served: FooForCausalLM; plugin 'second' failed to " \
+           "load: RegistryError: architecture 'FooForCausalLM' is claimed by two plugins: 'first' and 'second'" \
+           in str(err.value)
 
 
 def test_misspelt_hook_fails_at_registration():
