@@ -89,9 +89,11 @@ def run(args) -> int:
         if why:
             print(f"zoo parity: {flag} {path}: {why}", file=sys.stderr)
             return 2
-    if args.tensor_parallel_size < 1:
-        print(f"zoo parity: --tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", file=sys.stderr)
-        return 2
+    for name in ("tensor_parallel_size", "block_size", "max_new_tokens", "chunk_tokens"):
+        value = getattr(args, name)
+        if value < 1:  # (each scenario would crash on it and read as a divergence)
+            print(f"zoo parity: --{name.replace('_', '-')} {value}: expected 1 or more", file=sys.stderr)
+            return 2
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     tmp = None
     try:

@@ -68,21 +68,22 @@ def randomize_constants(model: torch.nn.Module, *, seed: int = 0) -> list[str]:
 
 
 def load_config(source) -> transformers.PretrainedConfig:
-    """A transformers config from a directory with config.json or from a .json file."""
+    """A transformers config from a directory with config.json or from a .json file (errors say what is wrong, not
+    which path: `zoo parity --tiny PATH` names it)."""
     p = Path(source)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise FileNotFoundError(f"--tiny {source}: no config.json there")
+        raise FileNotFoundError("no config.json there")
     with open(p) as f:
         d = json.load(f, object_hook=_special_float)
     model_type = d.get("model_type")
     if not model_type:
-        raise ValueError(f"--tiny {source}: config has no model_type")
+        raise ValueError("the config has no model_type")
     try:
         cls = transformers.AutoConfig.for_model(model_type).__class__
     except ValueError as e:
-        raise ValueError(f"--tiny {source}: transformers {transformers.__version__} does not know model_type "
+        raise ValueError(f"transformers {transformers.__version__} does not know model_type "
                          f"{model_type!r} ({e})") from None
     return cls.from_dict(d)
 
@@ -380,10 +381,10 @@ def save_tiny_checkpoint(source, out_dir, *, seed: int = 0) -> Path:
     config = shrink_config(load_config(source))
     archs = getattr(config, "architectures", None) or []
     if not archs:
-        raise ValueError(f"--tiny {source}: the config names no architectures")
+        raise ValueError("the config names no architectures")
     model_cls = getattr(transformers, archs[0], None)
     if model_cls is None:
-        raise ValueError(f"--tiny {source}: transformers {transformers.__version__} has no class {archs[0]}")
+        raise ValueError(f"transformers {transformers.__version__} has no class {archs[0]}")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     randomize_constants(model, seed=seed)

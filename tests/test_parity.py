@@ -189,10 +189,16 @@ def test_cli_passes_and_writes_json(llama, tmp_path, capsys):
     (["parity", "{llama}", "--tol", "rel_l2"], "key=value"),
     (["parity"], "MODEL or --tiny"),
     (["parity", "{llama}", "--prompts", "{llama}/missing.txt"], "missing.txt"),
+    (["parity", "{llama}", "--block-size", "0"], "zoo parity: --block-size 0: expected 1 or more"),
+    (["parity", "{llama}", "--max-new-tokens", "0"], "zoo parity: --max-new-tokens 0: expected 1 or more"),
+    (["parity", "{llama}", "--chunk-tokens", "-3"], "zoo parity: --chunk-tokens -3: expected 1 or more"),
+    (["parity", "--tiny", "{llama}/missing.json"], "zoo parity: --tiny {llama}/missing.json: FileNotFoundError: "
+                                                   "no config.json there\n"),
 ])
 def test_cli_usage_errors_exit_2(llama, argv, message, capsys):
     assert zoo_main([a.format(llama=llama) for a in argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message.format(llama=llama) in err, err
 
 
 @pytest.mark.parametrize("flag", ["--json", "--html"])
