@@ -68,6 +68,7 @@ class GPT2Model(GPT2Norms, LlamaModel):
 
 class GPT2LMHeadModel(LlamaForCausalLM):
     model_class = GPT2Model
+    learned_positions = True  # diff with Llama: no position past max_position_embeddings (a longer context: refused)
 
 
 def validate_gpt2(config) -> None:

@@ -1,8 +1,11 @@
 """`zoo run`'s sampling and context flags, the note on a cut reply, `zoo --version`, and a hub id that is not
 cached (one line saying how to get it)."""
+import re
+
 import pytest
 
-from test_cli_run import save_chat_model, words
+from test_cli_run import save_chat_model, save_word_tokenizer, words
+from tiny import save_tiny
 from zoo.cli import main
 
 
@@ -47,6 +50,25 @@ def test_bad_flags_exit_2_naming_them(chat_model, capsys, argv, words_in_err):
     assert main(["run", str(chat_model), "--prompt", "w1", *argv]) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words_in_err) and "Traceback" not in err
+
+
+def test_max_model_len_past_learned_positions_is_refused_before_the_weights(tmp_path, capsys):
+    """GPT-2 embeds positions from a table of max_position_embeddings rows (was an IndexError mid-generation)."""
+    from zoo import LLM
+
+    gpt2 = save_word_tokenizer(save_tiny("GPT2LMHeadModel", tmp_path / "gpt2", max_position_embeddings=16))
+    why = "GPT2LMHeadModel learned 16 positions (max_position_embeddings) and embeds none past them"
+    for command, extra in (("run", ["--prompt", words(3), "--max-tokens", "30", "--ignore-eos"]),
+                           ("serve", ["--port", "0"])):
+        assert main([command, str(gpt2), "--max-model-len", "32", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == f"zoo {command}: error: --max-model-len=32: {why}", err
+        assert "loading weights" not in err
+    with pytest.raises(ValueError, match=f"^max_model_len=17: {re.escape(why)}$"):
+        LLM(str(gpt2), max_model_len=17)
+    # the default context is the learned positions: a long reply is cut there
+    assert main(["run", str(gpt2), "--prompt", words(3), "--max-tokens", "40", "--ignore-eos", "--no-chat"]) == 0
+    assert "the reply was cut at the context length (max_model_len=16)" in capsys.readouterr().err
 
 
 def test_a_hub_id_not_cached_says_how_to_get_it(monkeypatch, capsys):

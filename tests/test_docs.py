@@ -62,7 +62,8 @@ def test_every_hook_and_extension_point_is_documented():
         names += [n for n, v in vars(m).items() if not n.startswith("_") and getattr(v, "__module__", m.__name__)
                   == m.__name__ and not inspect.ismodule(v) and (inspect.isclass(v) or inspect.isfunction(v) or n.isupper())]
     names += [n for n, v in vars(loader.rules).items() if inspect.isclass(v) and v.__module__ == "loader.rules"]
-    names += ["parity_taps", "parity_output", "load_rules", "ArchSpec", "ZOO_PLUGINS", "override=True"]
+    names += ["parity_taps", "parity_output", "load_rules", "learned_positions", "ArchSpec", "ZOO_PLUGINS",
+              "override=True"]
     names += [q for f in (fused._FORWARDS, fused._LLAVA_FORWARDS) for qs in f.values() for q in qs]
     names += [q for q, _ in fused._LAYERS]
     missing = sorted({n for n in names if not documented(text, n)})

@@ -176,6 +176,18 @@ def _before_weights(llm, args, template: str | None) -> None:
         raise Refused(f"--image: {llm.files.name} ({llm.spec.architectures[0]}) takes no images")
     if args.image and args.prompt is None and sys.stdin.isatty():
         raise Refused("--image needs --prompt (or a prompt on stdin)")
+    _check_max_model_len(llm, args)
+
+
+def _check_max_model_len(llm, args) -> None:
+    """--max-model-len against a model's learned positions, named as the flag (zoo run and zoo serve; the LLM checks
+    it too, naming its keyword)."""
+    from zoo.runtime.llm import check_max_model_len
+
+    try:
+        check_max_model_len(args.max_model_len, llm.spec, llm.config)
+    except ValueError as e:
+        raise Refused(f"--max-model-len={args.max_model_len}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def _run_loaded(llm, args, params, template: str | None) -> int:

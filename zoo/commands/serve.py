@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from zoo.commands.run import _fail, _load
+    from zoo.commands.run import _check_max_model_len, _fail, _load
 
     for name in ("max_model_len", "max_num_seqs"):
         value = getattr(args, name)
@@ -52,7 +52,8 @@ def run(args) -> int:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2, "zoo serve")
-    llm = _load(args, "zoo serve", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = _load(args, "zoo serve", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                check=lambda llm: _check_max_model_len(llm, args))
     if isinstance(llm, int):
         sock.close()
         return llm

@@ -54,6 +54,17 @@ def check_device(device) -> torch.device:
     return dev
 
 
+def check_max_model_len(max_model_len: int | None, spec, config) -> None:
+    """A model class with `learned_positions = True` (GPT-2) looks each position up in a table of
+    config.max_position_embeddings rows: a longer max_model_len is a ValueError naming it, before any weight is
+    read, not an IndexError mid-generation (rotary positions go on past that length: other models take any)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_model_len is not None and isinstance(limit, int) and max_model_len > limit \
+            and getattr(spec.model_class(), "learned_positions", False):
+        raise ValueError(f"max_model_len={max_model_len}: {spec.architectures[0]} learned {limit} positions "
+                         f"(max_position_embeddings) and embeds none past them")
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, dtype="float32", device="cpu", num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
@@ -65,7 +76,8 @@ class LLM:
         """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
         the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
         the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
-        `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop.
+        `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop; then
+        max_model_len against the positions a model with learned positions has (check_max_model_len).
         `quantization="gguf"` (vLLM's name for it): a GGUF file's block-quantised weights stay quantised and run on
         the block kernels (the CPU, float32 activations); None dequantises them to `dtype`; "auto" (zoo run's
         default): "gguf" for a GGUF file run in float32 on the CPU by one process whose block types all have
@@ -113,6 +125,7 @@ class LLM:
             validate_spec(self.spec, config)
         if check is not None:
             check(self)
+        check_max_model_len(max_model_len, self.spec, config)
         say(f"loading weights of {self.files.name}")
         self.tp_group = None
         if tensor_parallel_size != 1:  # ranks 1.. spawned here, each loading its slices (zoo/runtime/distributed.py)
