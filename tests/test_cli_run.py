@@ -56,12 +56,12 @@ def save_chat_model(path, **overrides):
     return save_word_tokenizer(save_tiny("LlamaForCausalLM", path, **overrides))
 
 
-def save_word_tokenizer(path):
-    """Write the word-level tokenizer of WORDS (vocab 128) with a chat template into a checkpoint dir."""
+def save_word_tokenizer(path, words=WORDS):
+    """Write the word-level tokenizer of `words` (WORDS: vocab 128) with a chat template into a checkpoint dir."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
@@ -90,6 +90,19 @@ def test_prompt_longer_than_max_model_len_is_one_line_and_exit_2(chat_model, cap
     out, err = capsys.readouterr()
     assert "zoo run: error: the prompt is 44 tokens" in err and "max_model_len=32" in err
     assert "Traceback" not in err and out == ""
+
+
+def test_a_larger_tokenizer_is_refused_before_the_weights(chat_model, tmp_path, capsys):
+    """--tokenizer of another model: a prompt token the model cannot embed is refused before a weight is read; a
+    prompt of tokens it has runs (a vocabulary padded past the tokenizer's, the common case, is fine too)."""
+    larger = save_word_tokenizer(tmp_path / "larger", WORDS + ["x0", "x1"])  # x1 is token 129 of a 128-token model
+    for chat in ("--chat", "--no-chat"):
+        assert main(["run", str(chat_model), "--tokenizer", str(larger), "--prompt", "w1 x1", chat]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].startswith("zoo run: error: the prompt token ") \
+            and err.strip().endswith(" is 129, outside the vocabulary of 128 tokens"), err
+        assert "loading weights" not in err
+    assert main(["run", str(chat_model), "--tokenizer", str(larger), "--prompt", "w1 w2", "--max-tokens", "1"]) == 0
 
 
 class Typed(io.StringIO):

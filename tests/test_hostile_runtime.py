@@ -208,10 +208,10 @@ def test_cli_empty_prompt_and_looping_template_are_usage_errors(chat_dir, tmp_pa
 
     from zoo.cli import main
 
-    for prompt in ("", "  \n"):
-        assert main(["run", str(chat_dir), "--prompt", prompt]) == 2
+    for argv in (["--prompt", ""], ["--prompt", "  \n"], ["--prompt", "", "--no-chat"]):
+        assert main(["run", str(chat_dir), *argv]) == 2
         out, err = capsys.readouterr()
-        assert err.strip().splitlines()[-1] == "zoo run: error: the prompt is empty" and out == ""
+        assert err == "zoo run: error: the prompt is empty\n" and out == ""  # before anything loads
     looping = shutil.copytree(chat_dir, tmp_path / "looping")
     (looping / "chat_template.jinja").write_text(LOOPS)  # where transformers saved the template
     t0 = time.monotonic()

@@ -146,15 +146,19 @@ def run(args) -> int:
         return _fail(f"--device {args.device}: {str(e).split(': ', 1)[-1]}", 2)
     if not 0 < args.gpu_memory_utilization <= 1:
         return _fail(f"--gpu-memory-utilization {args.gpu_memory_utilization}: expected a fraction in (0, 1]", 2)
+    # one prompt (--prompt, or stdin that is not a terminal; None: interactive), read before anything loads
+    prompt = args.prompt if args.prompt is not None or sys.stdin.isatty() else sys.stdin.read()
+    if prompt is not None and not prompt.strip():
+        return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
     llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                check=lambda llm: _before_weights(llm, args, template), device=args.device,
+                check=lambda llm: _before_weights(llm, args, template, prompt), device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization)
     if isinstance(llm, int):
         return llm
     from zoo.runtime.distributed import TensorParallelError
 
     try:
-        return _run_loaded(llm, args, params, template)
+        return _run_loaded(llm, args, params, prompt)
     except TensorParallelError as e:  # a rank died or a collective failed mid-generation
         sys.stdout.write("\n")
         return _fail(str(e), 1)
@@ -162,9 +166,10 @@ def run(args) -> int:
         llm.close()
 
 
-def _before_weights(llm, args, template: str | None) -> None:
+def _before_weights(llm, args, template: str | None, prompt: str | None) -> None:
     """What zoo run needs that no weight decides, checked before the weights are read: a tokenizer, a chat
-    template for --chat, a model that takes images for --image."""
+    template for --chat, a model that takes images for --image, a prompt the template renders and the model can
+    embed every token of (another model's --tokenizer may give ids past its vocabulary)."""
     tok = llm.tokenizer
     if tok is None:
         raise Refused(f"{llm.files.name} has no tokenizer files; zoo run needs one (or give --tokenizer)")
@@ -174,9 +179,11 @@ def _before_weights(llm, args, template: str | None) -> None:
         raise Refused(f"--chat: the tokenizer of {llm.files.name} has no chat template (give --chat-template)")
     if args.image and llm.spec.family != "multimodal":
         raise Refused(f"--image: {llm.files.name} ({llm.spec.architectures[0]}) takes no images")
-    if args.image and args.prompt is None and sys.stdin.isatty():
+    if args.image and prompt is None:
         raise Refused("--image needs --prompt (or a prompt on stdin)")
     _check_max_model_len(llm, args)
+    if prompt is not None and not args.image:  # (the image tokens are the model's: that prompt is encoded after)
+        _encode(llm, prompt, *_conversation(llm, args))
 
 
 def _check_max_model_len(llm, args) -> None:
@@ -190,14 +197,15 @@ def _check_max_model_len(llm, args) -> None:
         raise Refused(f"--max-model-len={args.max_model_len}: {str(e).split(': ', 1)[-1]}") from None
 
 
-def _run_loaded(llm, args, params, template: str | None) -> int:
+def _conversation(llm, args) -> tuple[bool, list[dict]]:
+    """(chat mode, the history a conversation starts from: the system message, if any)."""
     chat = bool(getattr(llm.tokenizer, "chat_template", None)) if args.chat is None else args.chat
-    history = [{"role": "system", "content": args.system}] if (chat and args.system) else []
+    return chat, [{"role": "system", "content": args.system}] if (chat and args.system) else []
 
-    if args.prompt is not None or not sys.stdin.isatty():
-        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-        if not prompt.strip():
-            return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
+
+def _run_loaded(llm, args, params, prompt: str | None) -> int:
+    chat, history = _conversation(llm, args)
+    if prompt is not None:
         try:
             prompt = _with_images(llm, prompt, args.image)
             ids = _fit(llm, prompt, chat, history)
@@ -294,29 +302,33 @@ def _fit(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
     """Token ids for the next turn. In chat mode, the oldest turns of `history` (after any system message)
     are dropped, in place, until the prompt leaves room to generate within max_model_len."""
     limit = llm.engine.max_model_len  # a prompt must be shorter than this (one token at least to generate)
-    if not chat:
-        ids = llm.tokenizer.encode(prompt)
-    else:
-        first = 1 if history and history[0]["role"] == "system" else 0
-        dropped = 0
-        while True:
-            ids = llm.apply_chat_template(history + [{"role": "user", "content": prompt}])
-            if len(ids) < limit or len(history) <= first:
-                break
-            del history[first:first + 2]  # the oldest user / assistant turn
-            dropped += 1
-        if dropped:
-            print(f"zoo: dropped the {dropped} oldest turn{'s' * (dropped != 1)} of the conversation to fit "
-                  f"max_model_len={limit}", file=sys.stderr)
-    from zoo.runtime.engine import token_ids
-
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens")
-    token_ids(ids, llm.engine.vocab_size, "the prompt")  # a tokenizer larger than the model: a ValueError, named
+    first = 1 if history and history[0]["role"] == "system" else 0
+    dropped = 0
+    while True:
+        ids = _encode(llm, prompt, chat, history)
+        if len(ids) < limit or len(history) <= first:  # (completion mode keeps no history)
+            break
+        del history[first:first + 2]  # the oldest user / assistant turn
+        dropped += 1
+    if dropped:
+        print(f"zoo: dropped the {dropped} oldest turn{'s' * (dropped != 1)} of the conversation to fit "
+              f"max_model_len={limit}", file=sys.stderr)
     if len(ids) >= limit:
         raise PromptTooLong(f"the prompt is {len(ids)} tokens; {llm.files.name} takes at most {limit - 1} "
                             f"(max_model_len={limit})")
     return ids
+
+
+def _encode(llm, prompt: str, chat: bool, history: list[dict]) -> list[int]:
+    """Token ids of the next turn (with `history` in chat mode); a ValueError for none, or for an id past the
+    model's vocabulary (a tokenizer larger than the model). Needs no weight: also checked before they load."""
+    from zoo.runtime.engine import token_ids, vocab_size
+
+    ids = llm.apply_chat_template(history + [{"role": "user", "content": prompt}]) if chat \
+        else llm.tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return token_ids(ids, vocab_size(llm.config), "the prompt")
 
 
 def _load(args, command: str = "zoo run", **engine):
