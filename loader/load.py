@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from loader.mapping import Region
-from loader.plan import TieDecision, plan
+from loader.plan import DType, TieDecision, plan
 from loader.problems import LoadError, Problem, SourceError
 from loader.quant import nonfinite_blocks
 from loader.rules import Rules
@@ -53,13 +53,15 @@ class LoadReport:
         return "\n".join([s] + [f"  {t}" for t in self.ties])
 
 
-def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
+def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DType = None,
          device="cpu", check_finite: bool = False, tp: Parallel | None = None,
          progress: Callable[[int, int], None] | None = None,
          allocate: Callable[[dict[str, tuple[torch.Size, torch.dtype]]], dict[str, torch.Tensor]] | None = None,
          ) -> LoadReport:
     """Load `source` (a Source, a directory, a file or a hub id) into `module`; raise LoadError listing
-    every problem. progress(bytes_done, bytes_total) is called after each tensor. tp=Parallel(rank, size):
+    every problem. dtype= casts floating-point tensors on purpose: one dtype for every floating-point parameter, or
+    a mapping of parameter names to dtypes (e.g. bfloat16 matrices beside float32 norms; a name it lacks keeps the
+    module's dtype). progress(bytes_done, bytes_total) is called after each tensor. tp=Parallel(rank, size):
     `module` has rank-local shapes and only this rank's slices (the rules' Shard specs) are read.
     allocate(shapes), given the parameters to store (name -> (shape, dtype)), may return the storage of some
     of them (a caller's layout, e.g. one buffer in reading order: the tensors are then read straight into it,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -24,6 +25,10 @@ from loader.quant import QuantLayout, QuantType, layout_for, nbytes as quant_nby
 from loader.rules import Rules, Shard, Transform
 from loader.shard import Parallel, Slice, full_size, local_size, shard_dim, slice_of, split_problem
 from loader.sources import Source, open_source
+
+# load(dtype=): one dtype for every floating-point parameter, a mapping name -> dtype (a name it lacks keeps the
+# dtype the module was built with), or None (every parameter as built; a lossy cast into it is a problem)
+DType = torch.dtype | Mapping[str, torch.dtype] | None
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torch.dtype | None = None,
+def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DType = None,
          tp: Parallel | None = None) -> Plan:
     source = open_source(source, strict=False)
     rules = rules + source.rules
@@ -136,8 +141,8 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         if tuple(info.shape) != expected:
             out.problems.append(Problem("shape", key, info.file, where, f"{key} in {info.file} has shape "
                 f"{list(info.shape)} but {where} expects {list(expected)}" + _missing_part(info.shape, piece, tp)))
-        dst = dest_dtype(p, dtype)
-        on_purpose = dtype is not None and info.dtype.is_floating_point and dst.is_floating_point
+        dst = dest_dtype(m.name, p, dtype)
+        on_purpose = _asked(m.name, dtype) is not None and info.dtype.is_floating_point and dst.is_floating_point
         if info.quant is not None and (why := _unquantizable(p, m, piece)):
             out.problems.append(Problem("dtype", key, info.file, where, f"{key} in {info.file} is "
                 f"{info.quant.name} (kept quantized) but {where} {why}; dequantize the file instead "
@@ -145,7 +150,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
         elif not on_purpose and lossy(info.dtype, dst):  # dtype= casts floats to floats, nothing else
             out.problems.append(Problem("dtype", key, info.file, where,
                 f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
-                + ("(dtype= casts floating-point to floating-point only)" if dtype is not None
+                + ("(dtype= casts floating-point to floating-point only)" if _asked(m.name, dtype) is not None
                    else "(pass dtype= to load() to cast on purpose)")))
         out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece,
                                  info.quant))
@@ -164,7 +169,7 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: torc
             out.owner[name] = out.owner[out.owner[name]]
     out.problems += _quant_layouts(out)
     for name, p in params.items():
-        out.dtypes[name] = dest_dtype(p, dtype)
+        out.dtypes[name] = dest_dtype(name, p, dtype)
         if out.owner[name] == name:
             out.problems += _coverage(name, p, writes.get(name, []), mapper)
     if tp is not None and tp.size > 1:
@@ -240,7 +245,7 @@ class RankPlans:
 
 
 def plan_ranks(module: torch.nn.Module, source, rules: Rules = Rules(), size: int = 1, *,
-               dtype: torch.dtype | None = None) -> RankPlans:
+               dtype: DType = None) -> RankPlans:
     """plan() for every rank of a tensor-parallel group of `size`, in this process (no rank is spawned), and
     the proof that the union of their slices covers every element of every checkpoint tensor exactly once:
     a column/row/vocab slice by one rank, a KV-replicated one by exactly size/heads ranks, a replicated
@@ -353,18 +358,24 @@ def _quant_layouts(out: Plan) -> list[Problem]:
     return problems
 
 
-def dest_dtype(p: ParamInfo, dtype: torch.dtype | None) -> torch.dtype:
+def _asked(name: str, dtype: DType) -> torch.dtype | None:
+    """What load(dtype=) asks of one parameter: the dtype, the mapping's entry for its name, or None (as built)."""
+    return dtype.get(name) if isinstance(dtype, Mapping) else dtype
+
+
+def dest_dtype(name: str, p: ParamInfo, dtype: DType) -> torch.dtype:
     """The dtype a parameter is allocated with: load(dtype=) applies to floating-point parameters only."""
-    return dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
+    asked = _asked(name, dtype)
+    return asked if asked is not None and p.dtype.is_floating_point else p.dtype
 
 
-def _tie_clash(name: str, src: str, params: dict[str, ParamInfo], dtype: torch.dtype | None) -> Problem | None:
+def _tie_clash(name: str, src: str, params: dict[str, ParamInfo], dtype: DType) -> Problem | None:
     """A tie needs one tensor that fits both parameters: the same shape and the same dtype."""
     a, b = params[name], params[src]
     if a.shape != b.shape:
         return Problem("shape", None, None, name, f"{name} has shape {list(a.shape)} but {src}, which it would be "
                                                   f"tied to, has shape {list(b.shape)}: they cannot share one tensor")
-    da, db = dest_dtype(a, dtype), dest_dtype(b, dtype)
+    da, db = dest_dtype(name, a, dtype), dest_dtype(src, b, dtype)
     if da != db:
         return Problem("dtype", None, None, name, f"{name} is {_dt(da)} but {src}, which it would be tied to, "
                                                   f"is {_dt(db)}: they cannot share one tensor")

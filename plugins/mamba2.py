@@ -15,6 +15,7 @@ from torch import nn
 from loader.rules import Rename, Rules
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead, VocabEmbedding
+from zoo.layers.linear import compute_dtype
 from zoo.layers.mamba import Mamba2Mixer
 from zoo.layers.norm import RMSNorm
 from zoo.runtime.batch import ForwardBatch
@@ -76,7 +77,7 @@ class Mamba2ForCausalLM(nn.Module):
         return self.backbone(input_ids, positions, batch)  # [T] -> [T, H]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states.to(self.lm_head.weight.dtype))  # [N, H] -> [N, V]
+        return self.lm_head(hidden_states.to(compute_dtype(self.lm_head.weight)))  # [N, H] -> [N, V]
 
 
 def validate_ssd(config, *, heads: str, head_dim: str, groups: str, expand: str, act: str = "hidden_act") -> None:

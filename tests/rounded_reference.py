@@ -6,6 +6,9 @@ arithmetic stays float32. And the measure both use: teacher-forced log-probabili
 """
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,6 +41,30 @@ def round_to_bf16(model, params=lambda name: True, kv: bool = True, attention: s
                 p.copy_(bf16(p))
     model.set_attn_implementation(f"bf16_kv_{attention}" if kv else attention)
     return model
+
+
+@contextmanager
+def cache_rounded(model):
+    """Within: `model` (transformers, eager attention) reads its KV cache as zoo's bfloat16 cache holds it, for
+    any architecture: k (rotated) and v rounded to bfloat16 where its own eager attention function receives them
+    (the function of each attention module's file, patched for the duration: Gemma2's softcaps, gpt-oss's sinks
+    stay), and for multi-head latent attention (DeepSeek, which caches the latent) the normalised latent and the
+    rotated rope key rounded where `expand_kv` receives them, as zoo's latent cache rows hold them."""
+    attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    files = {sys.modules[type(m).__module__] for m in attns if not hasattr(m, "expand_kv")}
+    saved = [(f, f.eager_attention_forward) for f in files if hasattr(f, "eager_attention_forward")]
+    for f, attend in saved:
+        f.eager_attention_forward = _on_bf16_kv(attend)
+    for m in attns:
+        if hasattr(m, "expand_kv"):
+            m.expand_kv = (lambda expand: lambda latent, k_rot: expand(bf16(latent), bf16(k_rot)))(m.expand_kv)
+    try:
+        yield
+    finally:
+        for f, attend in saved:
+            f.eager_attention_forward = attend
+        for m in attns:
+            m.__dict__.pop("expand_kv", None)
 
 
 def logprobs(model, seqs: list[list[int]]) -> list[torch.Tensor]:

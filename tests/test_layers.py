@@ -10,6 +10,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.llama import modeling_llama as hf_llama
 
+from zoo import kernels
 from zoo.layers.attention import Attention
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import QKVLinear
@@ -193,12 +194,21 @@ def test_norms_match_transformers(dtype, ops):
 
 
 def test_scaled_embedding_rounds_the_normaliser_like_transformers():
+    """On the device path a bfloat16 table gives bfloat16 rows and the normaliser is rounded as transformers rounds
+    it; on the CPU the rows are widened to float32 and scaled in float32, as transformers float32 on the table."""
     w = torch.randn(50, 3072).bfloat16()
     ours, theirs = VocabEmbedding(50, 3072, scale=3072 ** 0.5), hf_gemma3.Gemma3TextScaledWordEmbedding(
         50, 3072, 0, embed_scale=3072 ** 0.5)
     ours.weight.data, theirs.weight.data = w, w.clone()
     ids = torch.tensor([0, 3, 49])
-    assert torch.equal(ours(ids), theirs(ids))  # sqrt(3072) becomes 55.5 in bfloat16, on both sides
+    before = kernels.set_device_path(True)
+    try:
+        assert torch.equal(ours(ids), theirs(ids))  # sqrt(3072) becomes 55.5 in bfloat16, on both sides
+    finally:
+        kernels.set_device_path(before)
+    theirs.weight.data = w.float()
+    got = ours(ids)
+    assert got.dtype is torch.float32 and torch.equal(got, theirs(ids))
 
 
 def test_lm_head_softcap(ops):

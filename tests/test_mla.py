@@ -215,6 +215,29 @@ def test_native_absorbed_decode_matches_transformers(case, ops, monkeypatch):
     assert sum(calls) == (17 * layers if ops == "kernels" else 0), calls
 
 
+@pytest.mark.parametrize("r", [16, 20])
+def test_native_absorbed_decode_reads_bfloat16_widened(r):
+    """kernels.mla_decode on a bfloat16 latent cache and kv_b_proj (zoo's bfloat16 storage) equals, to the bit, the
+    float32 kernel on the same values widened: the same float32 arithmetic (latent widths with and without a tail
+    past the 16 lanes)."""
+    from zoo import kernels
+
+    if not kernels.enabled():
+        pytest.skip("native kernels are not built here")
+    g = torch.Generator().manual_seed(r)
+    nh, dn, dr, dv, bs = 4, 12, 8, 10, 4
+    q_nope, q_rope = torch.randn(3, nh, dn, generator=g), torch.randn(3, nh, dr, generator=g)
+    cache = torch.randn(12, bs, r + dr, generator=g).bfloat16()  # [NB, BS, R + DR]
+    kv_b = torch.randn(nh * (dn + dv), r, generator=g).bfloat16()
+    tables = torch.tensor([[3, 7, 1], [0, 11, 5], [2, 9, 4]], dtype=torch.int32)
+    outs = []
+    for c, w in ((cache, kv_b), (cache.float(), kv_b.float())):
+        outs.append(torch.zeros(3, nh, dv))
+        kernels.mla_decode(q_nope, q_rope, c, w, tables, [0, 1, 2], [0, 1, 2], [9, 1, 12], v_dim=dv, scale=0.3,
+                           out=outs[-1])
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+
+
 def test_expanded_and_absorbed_paths_agree(case):
     name, _, _, model = case
     _, steps = schedule(seed=3)

@@ -395,18 +395,24 @@ def test_expert_beyond_num_experts_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_bfloat16_runs_close_to_transformers_bfloat16(name, tmp_path):
-    """A bf16 build runs through the cache near transformers' own bf16 run (the dtype plumbing works: Mixtral
-    combines with float32 weights, Qwen2-MoE with weights rounded to bf16)."""
+def test_bfloat16_device_path_runs_close_to_transformers_bfloat16(name, tmp_path):
+    """On the device path (CUDA's code, forced on the CPU) a bf16 build computes in bf16 and runs through the cache
+    near transformers' own bf16 run (the dtype plumbing works: Mixtral combines with float32 weights, Qwen2-MoE
+    with weights rounded to bf16). The CPU path's bfloat16 (float32 activations) is tests/test_bf16.py's."""
     arch, overrides = CASES[name]
     path = save_tiny(arch, tmp_path, initializer_range=0.2, **overrides)
-    model, *_ = build_model(path, dtype=torch.bfloat16)
-    gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
-    [tokens] = random_prompts([10], vocab=128, seed=7)
-    weights = []
-    hook = gate.register_forward_hook(lambda m, i, o: weights.append(o[1]))
-    got = run_step(model, [(tokens, 0)], allocate_kv(model)).float()
-    hook.remove()
+    before = kernels.set_device_path(True)
+    try:
+        model, *_ = build_model(path, dtype=torch.bfloat16)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
+        [tokens] = random_prompts([10], vocab=128, seed=7)
+        weights = []
+        hook = gate.register_forward_hook(lambda m, i, o: weights.append(o[1]))
+        got = run_step(model, [(tokens, 0)], allocate_kv(model)).float()
+        hook.remove()
+    finally:
+        kernels.set_device_path(before)
     assert weights[0].dtype == (torch.float32 if name == "mixtral" else torch.bfloat16)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
     with torch.no_grad():

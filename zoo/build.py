@@ -51,8 +51,8 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     allocate = kernels.packed_allocator(model) if tp is None and dtype in kernels.PACKED \
         and torch.device(device).type == "cpu" else None
     # NaN/Inf weights would generate token 0 for ever: refused (a sum per tensor, on the reader threads)
-    report = loader.load(model, source, rules, dtype=dtype, device=device, check_finite=True, tp=tp,
-                         allocate=allocate)
+    report = loader.load(model, source, rules, dtype=storage_dtypes(model, dtype, device), device=device,
+                         check_finite=True, tp=tp, allocate=allocate)
     if allocate is not None:
         kernels.mark_packed(model, allocate)
     if tp is not None:
@@ -60,6 +60,19 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
 
         parallelize(model, rules, tp.rank, config.vocab_size)
     return model.eval(), config, spec, report
+
+
+def storage_dtypes(model, dtype: torch.dtype, device) -> torch.dtype | dict[str, torch.dtype]:
+    """What each parameter is stored as (loader.load's dtype=). On the CPU the activations are float32 whatever
+    `dtype` (zoo.layers.linear.compute_dtype): a narrower dtype there is the storage of the parameters marked
+    `compact` (the matrices, embedding tables and expert stacks, which a decode step streams and the kernels read
+    widened; the KV caches follow the attention's weights), every other one float32 (norms, biases, convolutions,
+    SSM parameters, routers: a few KB each, read at float32's precision). On the device path every floating-point
+    parameter takes `dtype`."""
+    if dtype is torch.float32 or torch.device(device).type != "cpu" or kernels.device_path(torch.empty(0)):
+        return dtype
+    return {name: dtype if getattr(p, "compact", False) else torch.float32
+            for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def validate_spec(spec, config) -> None:

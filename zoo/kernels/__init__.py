@@ -1,6 +1,7 @@
 """Native CPU kernels for the float32 hot path: linear (GEMV and GEMM), RMS norm, rotary, paged attention, SwiGLU,
 the Mamba2 mixer between its projections, Mamba1's conv and selective scan;
-`linear` and `attention` also take bfloat16 weights / KV caches (read widened, float32 arithmetic: cpu.cpp's bf16).
+`linear`, `attention`, `moe_experts` and `mla_decode` also take bfloat16 weights / caches (read widened, float32
+arithmetic: cpu.cpp's bf16).
 
 Why: a CPU decode step reads every weight once per token, and torch's GEMV reaches about half the memory
 bandwidth when the weights stream from memory (each is used once per step, so nothing stays in cache);
@@ -86,10 +87,12 @@ _SIGNATURES = {
 # the bfloat16 variants take the same arguments (bfloat16 weights / cache, float32 activations and arithmetic)
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_moe_experts_bf16"] = _SIGNATURES["zoo_moe_experts"]
+_SIGNATURES["zoo_mla_decode_bf16"] = _SIGNATURES["zoo_mla_decode"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
 _RESTYPES = {"zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
              "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
-             "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int}
+             "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int,
+             "zoo_mla_decode_bf16": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
 
@@ -593,8 +596,10 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, 
     DR] (unit last strides), the latent cache [NB, BS, R + DR] (the new rows written), kv_b = kv_b_proj.weight
     [NH (DN + DV), R], block_tables [B, M]; request i's token toks[i], row reqs[i] of the tables, lens[i] context
     tokens. Writes out[toks[i]] ([T, NH, DV], contiguous): softmax(scale (W_UK^T q_nope . c + q_rope . k_rope))
-    times the latents c, through W_UV."""
-    _float32("mla_decode", "q_nope q_rope cache kv_b out", q_nope, q_rope, cache, kv_b, out)
+    times the latents c, through W_UV. The cache and kv_b may both be bfloat16 (read widened, float32 arithmetic)."""
+    bf16 = cache.dtype is kv_b.dtype is torch.bfloat16 and cache.is_cpu and kv_b.is_cpu
+    _float32("mla_decode", "q_nope q_rope cache kv_b out", q_nope, q_rope, *((None, None) if bf16 else (cache, kv_b)),
+             out)
     t, nh, dn = q_nope.shape
     dr, r = q_rope.shape[-1], kv_b.shape[-1]
     if (q_rope.shape[:2] != (t, nh) or cache.dim() != 3 or cache.shape[2] != r + dr or not cache.is_contiguous()
@@ -608,11 +613,11 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, 
                          f"{block_tables.shape[0]} requests")
     kv_b, tables = kv_b.contiguous(), _int(block_tables, torch.int32)
     toks_t, reqs_t, lens_t = (torch.tensor(v, dtype=torch.int64) for v in (toks, reqs, lens))
-    bad = _native().zoo_mla_decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(),
-                                   q_rope.stride(0), q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim,
-                                   cache.data_ptr(), cache.shape[0], cache.shape[1], tables.data_ptr(), tables.shape[1],
-                                   toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks), scale,
-                                   out.data_ptr(), threads())
+    fn = _native().zoo_mla_decode_bf16 if bf16 else _native().zoo_mla_decode
+    bad = fn(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rope.data_ptr(), q_rope.stride(0),
+             q_rope.stride(1), nh, dn, dr, kv_b.data_ptr(), r, v_dim, cache.data_ptr(), cache.shape[0], cache.shape[1],
+             tables.data_ptr(), tables.shape[1], toks_t.data_ptr(), reqs_t.data_ptr(), lens_t.data_ptr(), len(toks),
+             scale, out.data_ptr(), threads())
     if bad:
         raise ValueError(f"mla_decode: batch.{_BATCH_FIELDS[bad]} is inconsistent with the cache of shape "
                          f"{tuple(cache.shape)} (context lengths {lens})")

@@ -1624,19 +1624,21 @@ static void softmax_topk(const float* logits, long T, long E, long K, int renorm
 //     ql = W_UK^T q_nope [R];  score_s = scale (ql . c_s + q_rope . k_rope_s);  p = softmax(score)
 //     out = W_UV (sum_s p_s c_s) [DV]
 // One work item per (request, head). Returns 0, 2 (a length outside 1 .. max_blocks BS) or 4 (a block id
-// outside the pool).
+// outside the pool). T: float, or bf16 (a bfloat16 model: the cache and wkv read widened, float32 arithmetic).
 
-static inline void axpy(float a, const float* x, float* y, long n) {  // y += a x, one rounding each
+template <typename T>
+static inline void axpy(float a, const T* x, float* y, long n) {  // y += a x, one rounding each
     const v16 av = splat(a);
     long i = 0;
     for (; i + 16 <= n; i += 16) store(y + i, fma16(av, load(x + i), load(y + i)));
-    for (; i < n; i++) y[i] = std::fma(a, x[i], y[i]);
+    for (; i < n; i++) y[i] = std::fma(a, to_f32(x[i]), y[i]);
 }
 
-extern "C" int zoo_mla_decode(const float* qn, long qn_st, long qn_sh, const float* qr, long qr_st, long qr_sh,
-                              long NH, long DN, long DR, const float* wkv, long R, long DV, const float* cache,
-                              long nb, long bs, const int32_t* tables, long max_blocks, const int64_t* toks,
-                              const int64_t* reqs, const int64_t* lens, long D, float scale, float* out, int nt) {
+template <typename T>
+static int mla_decode(const float* qn, long qn_st, long qn_sh, const float* qr, long qr_st, long qr_sh,
+                      long NH, long DN, long DR, const T* wkv, long R, long DV, const T* cache,
+                      long nb, long bs, const int32_t* tables, long max_blocks, const int64_t* toks,
+                      const int64_t* reqs, const int64_t* lens, long D, float scale, float* out, int nt) {
     for (long i = 0; i < D; i++) {
         if (lens[i] < 1 || lens[i] > max_blocks * bs) return 2;
         for (long b = 0; b < (lens[i] + bs - 1) / bs; b++) {
@@ -1653,14 +1655,14 @@ extern "C" int zoo_mla_decode(const float* qn, long qn_st, long qn_sh, const flo
         float* ol = room(store_ol, R);
         const float* q = qn + toks[i] * qn_st + n * qn_sh;
         const float* qrr = qr + toks[i] * qr_st + n * qr_sh;
-        const float* wuk = wkv + n * (DN + DV) * R;
-        const float* wuv = wuk + DN * R;
+        const T* wuk = wkv + n * (DN + DV) * R;
+        const T* wuv = wuk + DN * R;
         const int32_t* table = tables + reqs[i] * max_blocks;
         std::fill(ql, ql + R, 0.0f);
         for (long k = 0; k < DN; k++) axpy(q[k], wuk + k * R, ql, R);
         float m = -INFINITY;
         for (long s = 0; s < L; s++) {
-            const float* row = cache + ((long)table[s / bs] * bs + s % bs) * C;
+            const T* row = cache + ((long)table[s / bs] * bs + s % bs) * C;
             sc[s] = (dot(ql, row, R) + dot(qrr, row + R, DR)) * scale;
             m = std::max(m, sc[s]);
         }
@@ -1672,6 +1674,22 @@ extern "C" int zoo_mla_decode(const float* qn, long qn_st, long qn_sh, const flo
         for (long v = 0; v < DV; v++) o[v] = dot(ol, wuv + v * R, R);
     });
     return 0;
+}
+
+extern "C" int zoo_mla_decode(const float* qn, long qn_st, long qn_sh, const float* qr, long qr_st, long qr_sh,
+                              long NH, long DN, long DR, const float* wkv, long R, long DV, const float* cache,
+                              long nb, long bs, const int32_t* tables, long max_blocks, const int64_t* toks,
+                              const int64_t* reqs, const int64_t* lens, long D, float scale, float* out, int nt) {
+    return mla_decode(qn, qn_st, qn_sh, qr, qr_st, qr_sh, NH, DN, DR, wkv, R, DV, cache, nb, bs, tables, max_blocks,
+                      toks, reqs, lens, D, scale, out, nt);
+}
+
+extern "C" int zoo_mla_decode_bf16(const float* qn, long qn_st, long qn_sh, const float* qr, long qr_st, long qr_sh,
+                                   long NH, long DN, long DR, const bf16* wkv, long R, long DV, const bf16* cache,
+                                   long nb, long bs, const int32_t* tables, long max_blocks, const int64_t* toks,
+                                   const int64_t* reqs, const int64_t* lens, long D, float scale, float* out, int nt) {
+    return mla_decode(qn, qn_st, qn_sh, qr, qr_st, qr_sh, NH, DN, DR, wkv, R, DV, cache, nb, bs, tables, max_blocks,
+                      toks, reqs, lens, D, scale, out, nt);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -2298,8 +2316,8 @@ extern "C" void zoo_argmax(const float* x, long N, long V, long ld, int64_t* out
 // residual adds round the same). Returns 0, an attention error code, 5 when a token id is outside the
 // embedding table, or 6 when a row to compute logits of is outside the step's tokens.
 
-// W: the matrices' element type, C: the cache's (float, or bf16 for a bfloat16 model: norms, biases and the rotary
-// tables stay float32, converted once by fused.py)
+// W: the matrices' element type, C: the cache's (float, or bf16 for a bfloat16 model: norms, biases, routers and
+// the rotary tables are float32, as zoo stores them beside bfloat16 matrices)
 template <typename W, typename C>
 struct LayerWeightsT {
     const float* ln1;
@@ -2319,7 +2337,8 @@ struct LayerWeightsT {
     const QMat *qkv_q, *o_q, *gate_up_q, *down_q;  // block-quantised matrices (then the W pointer is unused)
     // a MoE layer (router non-null: Mixtral's SparseMoeBlock, in place of gate_up / down): router [E, Hd],
     // the stacked experts [E, 2 I, Hd] and [E, Hd, I]; softmax top-k routing, renormalised when renorm
-    const W *router, *experts_gate_up, *experts_down;
+    const float* router;
+    const W *experts_gate_up, *experts_down;
     long experts, top_k, renorm, moe_inter;
 };
 typedef LayerWeightsT<float, float> LayerWeights;

@@ -17,10 +17,10 @@ gated MLPs or MoE blocks of softmax top-k routing over stacked experts without a
 (Mixtral, Qwen3-MoE: the router's logits from the native GEMM where the module path has torch's F.linear, so
 those logits, and the rest after them, agree with the module path to rounding, not bit for bit; the experts
 are cpu.cpp's moe_experts, the module path's kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
-caches, or bfloat16 ones (`zoo_llama_forward_bf16`: the matrices, the embedding, the head and the KV cache read
-as bfloat16 and widened, float32 activations and arithmetic; the norm weights and biases, a few KB, converted to
-float32 once here and converted again when a step finds them modified), or block-quantised matrices with float32
-caches (a GGUF kept quantised: each linear, the embedding and the head on the block kernels).
+caches, or bfloat16 ones as zoo stores a bfloat16 model on the CPU (`zoo_llama_forward_bf16`: the matrices, the
+embedding, the head, the experts and the KV cache read as bfloat16 and widened; the norms, biases and routers
+float32, as the activations and the arithmetic: zoo.build.storage_dtypes), or block-quantised matrices with
+float32 caches (a GGUF kept quantised: each linear, the embedding and the head on the block kernels).
 LLaVA's language model qualifies the same way, on a step without image rows (the runner's choice).
 A step qualifies when no forward hook is registered (parity taps see every module).
 Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
@@ -112,14 +112,11 @@ def _float_or_blocks(w: torch.Tensor, held: list) -> tuple[int | None, int | Non
 
 
 class FusedDecoder:
-    def __init__(self, model, kv_caches: dict[str, torch.Tensor], params: list[torch.Tensor], layers, meta: dict,
-                 converted: list | None = None):
+    def __init__(self, model, kv_caches: dict[str, torch.Tensor], params: list[torch.Tensor], layers, meta: dict):
         self.model, self.kv_caches, self.params, self.meta = model, kv_caches, params, meta
         self.layers = layers  # ctypes array of _Layer
         self.ptrs = [p.data_ptr() for p in params]
         self.long_rope = meta["ropes"][0] if meta["ropes"][0].long_past is not None else None  # (Phi-3)
-        # bfloat16 models: (parameter, its float32 copy the driver reads, the parameter's version when copied)
-        self.converted = converted or []
         mods = list(model.modules())  # hook registries, checked every step (registering mutates them in place)
         self.hooks = [m._forward_hooks for m in mods] + [m._forward_pre_hooks for m in mods]
 
@@ -151,20 +148,12 @@ class FusedDecoder:
         if not (type(embed) is VocabEmbedding and type(head) is LMHead
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
-        layers, params, norms, ropes, shape = [], [embed.weight, head.weight, final.weight], [final], [], set()
-        inters, moe_inters = set(), set()  # the dense MLPs' intermediate sizes, the experts'
-        # float32, or bfloat16: matrices and caches of that dtype, the rest float32; block-quantised (uint8 bytes):
-        # float32 caches and the rest
+        # the matrices (`matrices`: float32, bfloat16 with bfloat16 caches, or block-quantised, uint8 bytes, with float32
+        # caches) and the rest (`params`: norms, biases, routers), float32
+        matrices, params, norms, ropes, shape = [embed.weight, head.weight], [final.weight], [final], [], set()
+        layers, inters, moe_inters = [], set(), set()  # the dense MLPs' intermediate sizes, the experts'
         dtype = torch.float32 if embed.weight.dtype is torch.uint8 else embed.weight.dtype
-        converted = []
         held = []  # the QMats of quantised weights (cpu.cpp reads them through pointers)
-
-        def small(t):  # a norm weight or a bias, as the float32 the driver reads
-            if t is None or t.dtype is torch.float32 or dtype is not torch.bfloat16:
-                return t
-            copy = t.detach().float().contiguous()
-            converted.append((t, copy, t._version))
-            return copy
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             core = attn.attn
@@ -212,7 +201,8 @@ class FusedDecoder:
             mods = (ln1, attn.qkv_proj, attn.o_proj, ln2, mlp.gate_up_proj, mlp.down_proj)
             w = [m.weight for m in mods]
             b = [getattr(m, "bias", None) for m in mods]
-            params += w + [x for x in b if x is not None] + [n.weight for n in extra]
+            matrices += [w[i] for i in (1, 2, 4, 5)]
+            params += [w[0], w[3]] + [x for x in b if x is not None] + [n.weight for n in extra]
             router = layer.mlp.gate if moe else None
             if moe:
                 params.append(router.weight)
@@ -221,7 +211,6 @@ class FusedDecoder:
             cache = kv_caches[attn.prefix]
             if cache.dtype is not dtype or not cache.is_contiguous() or not cache.is_cpu:
                 return f"{attn.prefix}: the KV cache is not {dtype} (the weights' dtype), contiguous, on the CPU"
-            w[0], w[3], *b = small(w[0]), small(w[3]), *(small(x) for x in b)
             (qkv, qkv_q), (o, o_q) = (_float_or_blocks(x, held) for x in (w[1], w[2]))
             (gu, gu_q), (down, down_q) = ((None, None), (None, None)) if moe else (
                 _float_or_blocks(x, held) for x in (w[4], w[5]))
@@ -229,7 +218,7 @@ class FusedDecoder:
                        int(router.renormalize), mlp.intermediate_size) if moe else (None, None, None, 0, 0, 0, 0))
             layers.append(_Layer(_ptr(w[0]), qkv, _ptr(b[1]), o, _ptr(b[2]), _ptr(w[3]), gu,
                                  _ptr(b[4]), down, _ptr(b[5]),
-                                 *(_ptr(small(n.weight)) if n is not None else None for n in (*qk, post_attn, post_ff)),
+                                 *(_ptr(n.weight) if n is not None else None for n in (*qk, post_attn, post_ff)),
                                  None, None, cache.data_ptr(), core.sliding_window or 0, qkv_q, o_q, gu_q, down_q,
                                  *routed))
         kinds, eps = {type(n) for n in norms}, {n.eps for n in norms}
@@ -239,13 +228,15 @@ class FusedDecoder:
             return "layers differ in norm eps, heads, head dim, scale, MLP size or activation"
         if kv_caches is None:
             return "qualifies"
-        blocks = dtype is torch.float32 and any(p.dtype is torch.uint8 for p in params)
-        if blocks and any(p.dtype is torch.uint8 and not hasattr(p, "quant") for p in params):
+        blocks = dtype is torch.float32 and any(p.dtype is torch.uint8 for p in matrices)
+        if blocks and any(p.dtype is torch.uint8 and not hasattr(p, "quant") for p in matrices):
             return "uint8 weights that are not a GGUF's blocks"
         if dtype not in (torch.float32, torch.bfloat16) or any(
                 (p.dtype is not dtype and not (blocks and p.dtype is torch.uint8)) or not p.is_cpu
-                or not p.is_contiguous() for p in params):
-            return "weights are not all float32 (or block-quantised) or all bfloat16, contiguous, on the CPU"
+                or not p.is_contiguous() for p in matrices):
+            return "matrices are not all float32 (or block-quantised) or all bfloat16, contiguous, on the CPU"
+        if any(p.dtype is not torch.float32 or not p.is_cpu or not p.is_contiguous() for p in params):
+            return "norms, biases or routers are not float32, contiguous, on the CPU (as zoo stores them)"
         distinct = list(dict.fromkeys(ropes))  # Gemma3: a table per rope base, each layer pointing at its own
         if len(distinct) > 1 and any(r.long_past is not None for r in distinct):
             return "a rope with two frequency sets (longrope) beside another rope"
@@ -255,11 +246,11 @@ class FusedDecoder:
         inter = next(iter(inters or moe_inters))  # the dense MLPs' (the buffers' size), else the experts'
         meta = dict(eps=eps.pop(), ropes=distinct, layer_rope=[distinct.index(r) for r in ropes], heads=heads,
                     kv_heads=kv_heads, head_dim=head_dim, scale=scale, intermediate=inter, hidden=embed.hidden_size,
-                    vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=small(final.weight),
+                    vocab=embed.vocab_size, embed=embed.weight, head=head.weight, final=final.weight,
                     gemma=int(kinds == {GemmaRMSNorm}), embed_scale=float(embed.scale or 0.0), act=_ACTS[act],
                     bf16=dtype is torch.bfloat16, embed_q=_float_or_blocks(embed.weight, held)[1],
                     head_q=_float_or_blocks(head.weight, held)[1], held=held)
-        return cls(model, kv_caches, params, (_Layer * len(layers))(*layers), meta, converted)
+        return cls(model, kv_caches, matrices + params, (_Layer * len(layers))(*layers), meta)
 
     def usable(self, batch=None) -> bool:
         """Steps can take the driver: the same caches (batch's, when given) and weights, no hooks, kernels on."""
@@ -267,11 +258,6 @@ class FusedDecoder:
             return False
         if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
             return False
-        for i, (p, copy, version) in enumerate(self.converted):  # modified in place: the float32 copy again
-            if p._version != version:
-                with torch.no_grad():
-                    copy.copy_(p)
-                self.converted[i] = (p, copy, p._version)
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
             return False
         return not any(self.hooks)

@@ -53,26 +53,24 @@ class Attention(nn.Module):
                 batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k and v [T, KV, D] -> [T, H * D]. `sinks` [H] (gpt-oss): one more logit per head in every
         softmax, attending to nothing (it only takes probability away from the context)."""
-        if kv_cache is not None:
-            if kv_cache.dtype != k.dtype:
-                raise TypeError(f"{self.prefix}: KV cache is {kv_cache.dtype} but keys are {k.dtype}")
-        elif batch.seq_lens_cpu:
+        if kv_cache is None and batch.seq_lens_cpu:
             self._check_whole_prompts(batch)
         if kernels.device_path(q) and kv_cache is not None and triton_kernels.use(q):  # CUDA: one Triton launch
             kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim).index_copy_(
-                0, batch.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, KV, D] into their slots
+                0, batch.slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype))  # [T, 2, KV, D] into their slots
             qsl = batch.query_start_loc_cpu
             return triton_kernels.paged_attention(
                 q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale=self.scale,
                 max_query_len=max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0),
                 max_seq_len=max(batch.seq_lens_cpu, default=0), sliding_window=self.sliding_window,
                 softcap=self.softcap, sinks=sinks)  # [T, H * D]
-        if sinks is None and kernels.fast(q, k, v) and (kv_cache is None or kv_cache.is_contiguous()):
+        if sinks is None and kernels.fast(q, k, v) and (kv_cache is None or (
+                kv_cache.dtype in kernels.PACKED and kv_cache.is_cpu and kv_cache.is_contiguous())):
             return kernels.attention(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.sliding_window,
                                      softcap=self.softcap)  # [T, H * D]
-        if kv_cache is not None:
+        if kv_cache is not None:  # (a bfloat16 cache under float32 activations stores k and v rounded)
             flat = kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim)  # [NB * BS, 2, KV, D]
-            flat.index_copy_(0, batch.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, KV, D] into their slots
+            flat.index_copy_(0, batch.slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype))  # [T, 2, KV, D]
         starts, out = batch.query_start_loc_cpu, torch.empty_like(q)  # [T, H, D]
         for i, seq_len in enumerate(batch.seq_lens_cpu):
             s, e = starts[i], starts[i + 1]
@@ -82,7 +80,7 @@ class Attention(nn.Module):
             if kv_cache is None:
                 ctx_k, ctx_v, first = k[s:e], v[s:e], 0  # [L, KV, D]
             else:
-                ctx_k, ctx_v, first = self._context(kv_cache, batch, i, first, seq_len)
+                ctx_k, ctx_v, first = self._context(kv_cache, batch, i, first, seq_len, q.dtype)
             out[s:e] = self._attend(q[s:e], ctx_k, ctx_v, first, seq_len, sinks)
         return out.flatten(1)  # [T, H * D]
 
@@ -93,12 +91,12 @@ class Attention(nn.Module):
                 raise ValueError(f"{self.prefix}: request {i} has {seq_len - (starts[i + 1] - starts[i])} cached "
                                  f"tokens but the batch carries no KV cache for this layer")
 
-    def _context(self, kv_cache, batch, i, first, seq_len):
-        """K, V [L, KV, D] of request i's context positions first // BS * BS .. seq_len - 1."""
+    def _context(self, kv_cache, batch, i, first, seq_len, dtype):
+        """K, V [L, KV, D] of request i's context positions first // BS * BS .. seq_len - 1, as `dtype`."""
         bs = kv_cache.shape[1]
         b0, b1 = first // bs, (seq_len + bs - 1) // bs
         blocks = kv_cache[batch.block_tables[i, b0:b1]]  # [nb, BS, 2, KV, D]
-        ctx = blocks.flatten(0, 1)[: seq_len - b0 * bs]  # [L, 2, KV, D]
+        ctx = blocks.flatten(0, 1)[: seq_len - b0 * bs].to(dtype)  # [L, 2, KV, D]
         return ctx[:, 0], ctx[:, 1], b0 * bs
 
     def _attend(self, q, k, v, first, seq_len, sinks=None):

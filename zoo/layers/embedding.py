@@ -8,7 +8,8 @@ A tied head holds the embedding's Parameter itself (`lm_head.weight is embed_tok
 checkpoint whether they stay one tensor.
 
 Both take block-quantised tables (a GGUF kept quantised, `weight.quant`; see zoo/layers/linear.py): rows
-are gathered and dequantised, the head runs the block GEMV.
+are gathered and dequantised, the head runs the block GEMV. Both take compact tables too (bfloat16 under
+float32 activations, zoo/layers/linear.py): rows are widened, the head runs the bfloat16 GEMV.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
-from zoo.layers.linear import linear
+from zoo.layers.linear import compute_dtype, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -27,13 +28,13 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size, self.hidden_size, self.scale = vocab_size, hidden_size, scale
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
-        self.weight.quantizable = True
+        self.weight.quantizable = self.weight.compact = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype is torch.uint8:  # block-quantised rows
             x = kernels.qembed(input_ids, self.weight)  # [T] -> [T, H]
         else:
-            x = F.embedding(input_ids, self.weight)  # [T] -> [T, H]
+            x = F.embedding(input_ids, self.weight).to(compute_dtype(self.weight))  # [T] -> [T, H], widened
         if self.scale is not None:
             # as transformers: a float32 normaliser cast to the weight's dtype (sqrt(3072) is 55.5 in bf16, not 55.43)
             x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
@@ -53,16 +54,11 @@ class LMHead(nn.Module):
         self.vocab_size, self.hidden_size, self.softcap = vocab_size, hidden_size, softcap
         self.scale, self.divisor = scale, divisor
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [V, H]
-        self.weight.quantizable = True
+        self.weight.quantizable = self.weight.compact = True
         self.bias = nn.Parameter(torch.empty(vocab_size)) if bias else None  # [V] (Phi's head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype is torch.uint8:  # block-quantised
-            logits = linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
-        elif kernels.fast(hidden, self.weight):
-            logits = kernels.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
-        else:
-            logits = F.linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
+        logits = linear(hidden, self.weight, self.bias)  # [N, H] -> [N, V]
         if self.scale is not None:
             logits = logits * self.scale
         if self.divisor is not None:

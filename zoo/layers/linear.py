@@ -15,6 +15,14 @@ Quantised weights: a weight loaded from a GGUF kept quantised (loader/quant.py) 
 layout in `weight.quant` (the logical shape is the layer's [O, I]); `linear` runs it on the block kernels
 (`zoo.kernels.qlinear`), or dequantises it and calls F.linear when the kernels are off. Weights marked
 `quantizable` are the ones the loader may fill that way.
+
+Compact storage: on the CPU the activations are float32 whatever the model's dtype (`compute_dtype`: bfloat16
+arithmetic there is no faster, only less exact; a decode step's time is the bytes of the weights it streams).
+`dtype=bfloat16` then stores the weights marked `compact` (the matrices, embedding tables and expert stacks of
+zoo.layers, read through `linear` and their layers' own forwards) and the KV caches in bfloat16, everything else
+(norms, biases, convolutions, SSM parameters, routers) in float32 (zoo.build.storage_dtypes), and `linear` reads
+such a weight widened (`zoo.kernels.linear`'s bfloat16 GEMV / GEMM, float32 arithmetic). On the device path
+(CUDA) every parameter and the activations take the model's dtype.
 """
 from __future__ import annotations
 
@@ -25,12 +33,22 @@ from torch import nn
 from zoo import kernels
 
 
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The activations' dtype beside this weight: float32 on the CPU, the weight's own on the device path."""
+    return weight.dtype if kernels.device_path(weight) else torch.float32
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the native GEMV / GEMM when it applies (float32 CPU, no autograd)."""
+    """F.linear(x, weight, bias), on the native GEMV / GEMM when it applies (float32 CPU, no autograd); a weight
+    stored narrower than x (bfloat16 under float32 activations) is read widened."""
     if weight.dtype is torch.uint8:  # block-quantised (weight.quant)
         if kernels.fast(x):
             return kernels.qlinear(x, weight, bias)  # [T, I] -> [T, O]
         return F.linear(x, kernels.dequantize(weight).to(x.dtype), bias)  # [T, I] -> [T, O]
+    if weight.dtype is not x.dtype:  # compact storage
+        if weight.dtype is torch.bfloat16 and weight.is_cpu and kernels.fast(x):
+            return kernels.linear(x, weight, bias)  # [T, I] -> [T, O], the bfloat16 kernels
+        return F.linear(x, weight.to(x.dtype), bias)  # [T, I] -> [T, O]
     if kernels.fast(x, weight):
         return kernels.linear(x, weight, bias)  # [T, I] -> [T, O]
     return F.linear(x, weight, bias)  # [T, I] -> [T, O]
@@ -44,6 +62,7 @@ class Linear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))  # [O, I]
         self.weight.quantizable = True  # (the loader may keep a GGUF's blocks here)
+        self.weight.compact = True  # (and bfloat16 under float32 activations: `linear` widens it)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None  # [O]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
-from zoo.layers.linear import Linear
+from zoo.layers.linear import Linear, linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.ssm import (GatedRMSNorm, causal_conv, causal_conv_step, selective_scan, ssd_scan, ssd_step)
 from zoo.runtime.batch import ForwardBatch, StateSpec
@@ -221,7 +221,7 @@ class MambaMixer(RecurrentMixer):
         self.conv1d = CausalConv1d(intermediate_size, conv_kernel, bias=use_conv_bias)
         self.x_proj = Linear(intermediate_size, dt_rank + 2 * state_size)  # dt | B | C
         self.dt_proj = Linear(dt_rank, intermediate_size, bias=True)
-        self.dt_proj.weight.quantizable = False  # read as a float matrix by forward
+        self.dt_proj.weight.quantizable = False  # read by forward beside its bias (not a GGUF block layer)
         self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size))  # [I, N]
         self.D = nn.Parameter(torch.empty(intermediate_size))  # [I]
         self.out_proj = Linear(intermediate_size, hidden_size, bias=use_bias)
@@ -243,7 +243,7 @@ class MambaMixer(RecurrentMixer):
         x = self.conv(x, segments, conv_state)  # [T, I]
         dt, B, C = self.x_proj(x).split((self.dt_rank, self.state_size, self.state_size), -1)  # [T, r], [T, N] x2
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B).float(), self.c_layernorm(C).float()
-        dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.float())  # [T, I], bias inside
+        dt = F.softplus(linear(dt, self.dt_proj.weight) + self.dt_proj.bias.float())  # [T, I], bias inside
         A = -torch.exp(self.A_log.float())  # [I, N]
         if kernels.fast(x, dt, B, C, z, self.D, *([] if ssm_state is None else [ssm_state])):  # scan, D skip, gate
             y = kernels.selective_scan(x, dt, A, B, C, self.D, z, ssm_state, **self.requests(segments, t))  # [T, I]

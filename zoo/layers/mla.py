@@ -21,7 +21,8 @@ Rotary acts on the DR rope lanes only. DeepSeek-V2 (always) and V3 (rope_interle
 the layer gathers the even lanes then the odd ones and rotates halves, which yields the rotated lanes in
 that gathered order (transformers' V3 output order) for q and k alike, so every score is unchanged.
 
-CPU fast path (float32, kernels on): the absorbed decode of every one-token request is one native call,
+CPU fast path (float32 activations, kernels on; the latent cache and kv_b_proj float32, or bfloat16 read widened):
+the absorbed decode of every one-token request is one native call,
 `kernels.mla_decode` (per request and head: W_UK^T q, the scores over the cached rows, the softmax, the
 latents' weighted sum through W_UV), and the layer's small torch ops run on one thread (kernels.serial_torch).
 
@@ -110,8 +111,8 @@ class MLAttention(nn.Module):
         q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope, batch)  # [T, NH, DR], [T, 1, DR]
         return q_nope, q_rope, torch.cat([self.kv_a_layernorm(latent), k_rope[:, 0]], dim=-1)  # .., [T, C]
 
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)  # [NH, DN+DV, R]
+    def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.to(dtype).view(self.num_heads, -1, self.kv_lora_rank)  # [NH, DN+DV, R]
         return w[:, : self.nope_dim], w[:, self.nope_dim:]  # [NH, DN, R], [NH, DV, R]
 
     # -- forward -----------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class MLAttention(nn.Module):
         if self.mode not in self.MODES:
             raise ValueError(f"{self.prefix}.mode={self.mode!r} is not one of {self.MODES}")
         qsl = batch.query_start_loc_cpu
-        if kernels.fast(x, self.kv_b_proj.weight) and max(
+        if kernels.fast(x) and max(
                 (b - a for a, b in zip(qsl, qsl[1:])), default=0) <= self.SERIAL_MAX_QUERY:
             with kernels.serial_torch():  # torch's small ops on one thread (kernels.serial_torch)
                 return self._forward(positions, x, batch)
@@ -128,10 +129,8 @@ class MLAttention(nn.Module):
     def _forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q_nope, q_rope, rows = self._project(x, positions, batch)  # [T, NH, DN], [T, NH, DR], [T, C]
         cache = batch.cache_for(self.prefix)  # [NB, BS, C] or None (whole prompts only)
-        if cache is not None:
-            if cache.dtype != rows.dtype:
-                raise TypeError(f"{self.prefix}: the latent cache is {cache.dtype}, the latents {rows.dtype}")
-            cache.view(-1, cache.shape[-1]).index_copy_(0, batch.slot_mapping, rows)  # [T, C] into their slots
+        if cache is not None:  # [T, C] into their slots (a bfloat16 cache under float32 activations: rounded)
+            cache.view(-1, cache.shape[-1]).index_copy_(0, batch.slot_mapping, rows.to(cache.dtype))
         qsl, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)  # [T, NH, DV]
         expand, decode, absorbed_multi = [], [], []  # request indices per path
@@ -150,7 +149,8 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(1))  # [T, NH*DV] -> [T, H]
 
     def _context(self, i: int, rows: torch.Tensor, cache, batch: ForwardBatch) -> torch.Tensor:
-        """Request i's context rows [S, C]: from the paged cache, or from this step when there is none."""
+        """Request i's context rows [S, C] (as the step's rows' dtype): from the paged cache, or from this step when
+        there is none."""
         s, q0, q1 = batch.seq_lens_cpu[i], batch.query_start_loc_cpu[i], batch.query_start_loc_cpu[i + 1]
         if cache is None:
             if s != q1 - q0:
@@ -159,7 +159,7 @@ class MLAttention(nn.Module):
             return rows[q0:q1]
         n_blocks = -(-s // batch.block_size)
         blocks = batch.block_tables[i, :n_blocks].long()  # [S/BS]
-        return cache[blocks].reshape(-1, cache.shape[-1])[:s]  # [S, C]
+        return cache[blocks].reshape(-1, cache.shape[-1])[:s].to(rows.dtype)  # [S, C]
 
     @staticmethod
     def _causal(s: int, q_len: int, device) -> torch.Tensor:
@@ -186,7 +186,7 @@ class MLAttention(nn.Module):
         With W_UK folded into the query, [W_UK^T q_nope | q_rope] . [c | k_rope] is the whole score: the
         attention is multi-query, every head reading the one cache row, and the value is the latent c.
         """
-        w_uk, w_uv = self._w_uk_uv()  # [NH, DN, R], [NH, DV, R]
+        w_uk, w_uv = self._w_uk_uv(q_nope.dtype)  # [NH, DN, R], [NH, DV, R]
         q = torch.cat([torch.einsum("dqnk,nkr->dqnr", q_nope, w_uk), q_rope], dim=-1)  # [D, Q, NH, C]
         o_lat = F.scaled_dot_product_attention(
             q.transpose(1, 2), ctx[:, None], ctx[:, None, :, : self.kv_lora_rank],  # [D, NH|1|1, Q|L|L, C|C|R]
@@ -196,7 +196,9 @@ class MLAttention(nn.Module):
     def _absorbed_decode(self, reqs, q_nope, q_rope, rows, cache, batch, out) -> None:
         """Every one-token request of the step at once, over contexts padded to L."""
         self.path_counts["absorbed"] += len(reqs)
-        if cache is not None and kernels.fast(q_nope, q_rope, cache, self.kv_b_proj.weight):  # one native call
+        w = self.kv_b_proj.weight
+        if cache is not None and kernels.fast(q_nope, q_rope) and cache.dtype is w.dtype and w.dtype in kernels.PACKED \
+                and cache.is_cpu and w.is_cpu:  # one native call
             kernels.mla_decode(q_nope, q_rope, cache, self.kv_b_proj.weight, batch.block_tables,
                                [batch.query_start_loc_cpu[i] for i in reqs], reqs,
                                [batch.seq_lens_cpu[i] for i in reqs], v_dim=self.v_dim, scale=self.scale, out=out)
@@ -208,7 +210,7 @@ class MLAttention(nn.Module):
         else:
             n_blocks = -(-max(lens) // batch.block_size)
             blocks = batch.block_tables[reqs][:, :n_blocks].long()  # [D, L/BS]
-            ctx = cache[blocks].flatten(1, 2)  # [D, L, C]
+            ctx = cache[blocks].flatten(1, 2).to(rows.dtype)  # [D, L, C]
         lens_t = torch.tensor(lens, device=rows.device)  # [D]
         valid = torch.arange(ctx.shape[1], device=rows.device) < lens_t[:, None]  # [D, L]
         ctx = ctx.masked_fill(~valid[..., None], 0.0)  # padding rows may hold anything (NaN): 0 * NaN is NaN

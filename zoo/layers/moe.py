@@ -18,7 +18,8 @@ Loader rules for the per-expert hub layout: Stack("experts") + Fuse(("gate_proj"
 "gate_up_proj"); the gate_up weight carries `shard_sizes = (I, I)`, the fused dim being dim 0 of each
 expert's row (dim 1 of the stacked parameter).
 
-CPU fast path (float32, kernels on): the whole dispatch of StackedExperts is one native call,
+CPU fast path (float32 activations, float32 or bfloat16 experts, kernels on): the whole dispatch of StackedExperts
+is one native call,
 `kernels.moe_experts` (sort by expert, each expert's two GEMMs and act-and-mul, the experts with <= 4 rows as one
 grouped GEMV, the combine in expert order as combine_in_expert_order); the fused native step runs the same code.
 
@@ -132,6 +133,7 @@ class StackedWeight(nn.Module):
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))  # [E, out, in]
+        self.weight.compact = True  # (bfloat16 under float32 activations: the experts' kernels widen it)
 
 
 class StackedExperts(nn.Module):
@@ -152,7 +154,8 @@ class StackedExperts(nn.Module):
         if kernels.device_path(x):
             return self.grouped(x, topk_ids, topk_weights)
         w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
-        if self.kind and kernels.fast(x, topk_weights, w13, w2):  # the whole dispatch in one native call
+        if self.kind and kernels.fast(x, topk_weights) and w13.dtype is w2.dtype and w13.dtype in kernels.PACKED \
+                and w13.is_cpu and w2.is_cpu:  # the whole dispatch in one native call (float32 or bfloat16 experts)
             return kernels.moe_experts(x, topk_ids, topk_weights, w13, w2, self.kind)  # [T, H]
         k = topk_ids.shape[1]
         with serial_ops(x):
