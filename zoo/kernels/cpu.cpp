@@ -458,16 +458,19 @@ static void linear_few(const float* x, long M, long ldx, const W* w, long n0, lo
 // in registers (R = 6, NV = 2: 12 of AVX2's 16). Sums run over blocks of KB k's and each block's sum is added
 // to the running total in `out`: rounding error grows with K / KB, not with K (as accurate as torch's sgemm;
 // see tests/test_kernels.py). `next` (or nullptr): R rows (stride ldw) to pull towards L2 meanwhile, a line
-// per 16 k's.
+// per 16 k's. `add`: the first block's sum is added to `out` too (a call over k's past a multiple of KB continues
+// the sums of the calls before it, in the same order as one call over them all).
 template <int NV, int R>
-static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next);
+static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next,
+                        bool add = false);
 
 #if defined(__AVX512F__)
 // AVX-512, panels of 16 lanes: one 16-lane vector per k instead of two 8-lane halves. Every lane's sums run in
 // the same order as the 8-lane tile's (lanes never mix), so the results are the same to the bit at twice the
 // width per multiply-add.
 template <int R>
-static inline void tile16(const float* xt, const float* w, long ldw, long K, float* out, const float* next) {
+static inline void tile16(const float* xt, const float* w, long ldw, long K, float* out, const float* next,
+                          bool add) {
     constexpr long KB = 128;
     for (long k0 = 0; k0 < K; k0 += KB) {
         const long k1 = std::min(K, k0 + KB);
@@ -485,15 +488,15 @@ static inline void tile16(const float* xt, const float* w, long ldw, long K, flo
                 for (int r = 0; r < R; r++) acc[r] = fma16(splat(w[r * ldw + k]), xv, acc[r]);
             }
         }
-        for (int r = 0; r < R; r++) store(out + r * 16, k0 == 0 ? acc[r] : load(out + r * 16) + acc[r]);
+        for (int r = 0; r < R; r++) store(out + r * 16, k0 == 0 && !add ? acc[r] : load(out + r * 16) + acc[r]);
     }
 }
 #endif
 
 template <int NV, int R>
-static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next) {
+static inline void tile(const float* xt, const float* w, long ldw, long K, float* out, const float* next, bool add) {
 #if defined(__AVX512F__)
-    if constexpr (NV == 2) return tile16<R>(xt, w, ldw, K, out, next);
+    if constexpr (NV == 2) return tile16<R>(xt, w, ldw, K, out, next, add);
 #endif
     constexpr long KB = 128;
     for (long k0 = 0; k0 < K; k0 += KB) {
@@ -520,21 +523,21 @@ static inline void tile(const float* xt, const float* w, long ldw, long K, float
         }
         v8* o = (v8*)out;
         for (int r = 0; r < R; r++)
-            for (int v = 0; v < NV; v++) o[r * NV + v] = k0 == 0 ? acc[r][v] : o[r * NV + v] + acc[r][v];
+            for (int v = 0; v < NV; v++) o[r * NV + v] = k0 == 0 && !add ? acc[r][v] : o[r * NV + v] + acc[r][v];
     }
 }
 
 // tile<NV, rows> for 1 <= rows <= 6
 template <int NV>
 static inline void tile_rows(int rows, const float* xt, const float* w, long ldw, long K, float* out,
-                             const float* next) {
+                             const float* next, bool add = false) {
     switch (rows) {
-        case 6: tile<NV, 6>(xt, w, ldw, K, out, next); break;
-        case 5: tile<NV, 5>(xt, w, ldw, K, out, next); break;
-        case 4: tile<NV, 4>(xt, w, ldw, K, out, next); break;
-        case 3: tile<NV, 3>(xt, w, ldw, K, out, next); break;
-        case 2: tile<NV, 2>(xt, w, ldw, K, out, next); break;
-        default: tile<NV, 1>(xt, w, ldw, K, out, next); break;
+        case 6: tile<NV, 6>(xt, w, ldw, K, out, next, add); break;
+        case 5: tile<NV, 5>(xt, w, ldw, K, out, next, add); break;
+        case 4: tile<NV, 4>(xt, w, ldw, K, out, next, add); break;
+        case 3: tile<NV, 3>(xt, w, ldw, K, out, next, add); break;
+        case 2: tile<NV, 2>(xt, w, ldw, K, out, next, add); break;
+        default: tile<NV, 1>(xt, w, ldw, K, out, next, add); break;
     }
 }
 
@@ -568,36 +571,42 @@ static inline void transpose8(const float* src, long lds, float* dst, long ld) {
 // [panels, SUB, lanes] and go to y SUB columns at a time: y's rows are N floats apart, which for N = 3072 puts
 // them all in one L1 set, and writing a few floats of each row per tile measured 15% slower. With yt (panels
 // [P, ldt, lanes], ldt = w's row count) the tiles land there directly: no transposes, no stage.
-// bfloat16 weights: each block of R rows is widened once into float32 scratch (from L1 for every panel after).
+// bfloat16 weights: each block of R rows is widened into float32 scratch KC columns at a time, and every panel's
+// tiles run over that chunk (continuing their sums: the same order as over the whole row) before the next one, so
+// the scratch (R KC floats) and the panels' columns of x stay in L1 together (the whole block widened at once,
+// 24 KB for K = 1024, thrashed L1 against a panel's 32 KB: an 8-row step of bfloat16 GEMMs ran 1.25x float32's).
 template <int NV, typename W>
 static void panel_range(const float* xt, long M, long p0, long p1, const W* w, long n0, long n1, long K,
                         const float* b, float* y, long ldy, float* yt, long ldt) {
     constexpr int LANES = 8 * NV, R = 6;
-    constexpr long SUB = 48;
+    constexpr long SUB = 48, KC = 256;
     static thread_local std::vector<v8> stage_store;
     static thread_local std::vector<v16> wide_store;
     float* stage = yt ? nullptr : (float*)room(stage_store, (p1 - p0) * SUB * NV);
-    float* wide = sizeof(W) == 4 ? nullptr : (float*)room(wide_store, (R * K + 15) / 16);
+    float* wide = sizeof(W) == 4 ? nullptr : (float*)room(wide_store, (R * KC + 15) / 16);
     for (long n = n0; n < n1; n += SUB) {
         const long ns = std::min(SUB, n1 - n);
         for (long j = 0; j < ns; j += R) {
             const int rows = (int)std::min<long>(R, ns - j);
             const W* wn = w + (n + j) * K;
-            const float* wb = (const float*)wn;
+            auto out = [&](long p) { return yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES; };
             if constexpr (sizeof(W) == 2) {
-                widen(wn, rows * K, wide);
-                wb = wide;
+                for (long o = 0; o < R * K; o += 32) prefetch_l2(wn + R * K + o);  // the next block: a line per 32
+                for (long kc = 0; kc < K; kc += KC) {
+                    const long kn = std::min(KC, K - kc);
+                    for (int r = 0; r < rows; r++) widen(wn + r * K + kc, kn, wide + r * kn);
+                    for (long p = p0; p < p1; p++)
+                        tile_rows<NV>(rows, xt + (p * K + kc) * LANES, wide, kn, kn, out(p), nullptr, kc > 0);
+                }
+            } else {
+                for (long p = p0; p < p1; p++)  // w is read from memory on the first panel: prefetch the next block
+                    tile_rows<NV>(rows, xt + p * K * LANES, (const float*)wn, K, K, out(p),
+                                  p == p0 ? (const float*)(wn + R * K) : nullptr);
             }
-            for (long p = p0; p < p1; p++) {  // w is read from memory on the first panel: prefetch the next block
-                float* out = yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES;
-                tile_rows<NV>(rows, xt + p * K * LANES, wb, K, K, out,
-                              p == p0 && sizeof(W) == 4 ? (const float*)(wn + R * K) : nullptr);
-                if (sizeof(W) == 2 && p == p0)  // the next block's bytes (half the lines): one per 32 bfloat16s
-                    for (long o = 0; o < R * K; o += 32) prefetch_l2(wn + R * K + o);
-                if (yt && b)
+            if (yt && b)
+                for (long p = p0; p < p1; p++)
                     for (int r = 0; r < rows; r++)
-                        for (int l = 0; l < LANES; l++) out[r * LANES + l] += b[n + j + r];
-            }
+                        for (int l = 0; l < LANES; l++) out(p)[r * LANES + l] += b[n + j + r];
         }
         if (yt) continue;
         for (long p = p0; p < p1; p++) {
