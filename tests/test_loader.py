@@ -289,6 +289,26 @@ def test_lossy_dtype_refused_unless_asked(tiny_dir):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_dtype_per_parameter(tiny_dir):
+    """dtype= as a mapping casts the named parameters on purpose (bfloat16 matrices beside float32 norms, as zoo
+    stores a bfloat16 model on the CPU); a parameter it does not name keeps the module's dtype, and a lossy cast
+    into it is still refused, by name."""
+    matrices = {n: torch.bfloat16 for n, p in hf_meta(tiny_dir).named_parameters() if p.dim() == 2}
+    model = hf_meta(tiny_dir)
+    load(model, tiny_dir, dtype=matrices)
+    assert {n: p.dtype for n, p in model.named_parameters()} == {
+        n: matrices.get(n, torch.float32) for n, _ in model.named_parameters()}
+    want = load_reference(tiny_dir)
+    assert torch.equal(model.model.norm.weight, want.model.norm.weight)
+    assert torch.equal(model.lm_head.weight, want.lm_head.weight.bfloat16())
+    model = hf_meta(tiny_dir, torch.bfloat16)
+    with pytest.raises(LoadError) as e:
+        load(model, tiny_dir, dtype=matrices)
+    assert {p.param for p in e.value.problems} == {n for n, _ in model.named_parameters() if n not in matrices}
+    assert "dtype: model.norm.weight in model.safetensors is float32 but model.norm.weight is bfloat16: " \
+           "a lossy cast (pass dtype= to load() to cast on purpose)" in problems_of(e)
+
+
 def test_widening_is_fine(ckpt):
     rewrite(ckpt / "model.safetensors", lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
     model = hf_meta(ckpt)
