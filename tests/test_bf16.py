@@ -101,7 +101,8 @@ def test_fused_bf16_step_matches_the_module_path_on_the_same_storage(arch, tmp_p
     """A tiny checkpoint loaded in bfloat16 (matrices, embedding, experts and KV cache in bfloat16, norms, biases
     and routers float32: zoo.build.storage_dtypes) runs the fused bfloat16 step; the reference is the same model's
     module path with the kernels off (torch on the widened weights, the cache written with torch's rounding), on
-    a cache of its own. Only the order of float32 sums differs."""
+    a cache of its own. Only the order of float32 sums differs (and so, now and then, which way a k or v value near
+    a bfloat16 rounding boundary rounds: ~1e-4 of the logits' scale, where a bfloat16 activation would be ~1e-2)."""
     from test_kernels import vary
 
     from batching import allocate_kv, make_batch
@@ -132,7 +133,7 @@ def test_fused_bf16_step_matches_the_module_path_on_the_same_storage(arch, tmp_p
         finally:
             kernels.set_enabled(True)
         assert want.dtype is torch.float32
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), f"step {step}"
+        assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item(), f"step {step}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {step}"
     for name, cache in kv.items():  # the same k and v rounded the same way (a few last-bit flips of the sums)
         assert (cache.float() - kv_ref[name].float()).abs().max() <= 2 ** -7 * kv_ref[name].float().abs().max()

@@ -362,9 +362,9 @@ static void paired_ranges(long n, long grain, int threads, const Body& body) {
 // ---------------------------------------------------------------------------------------------------
 // Linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]); w [N, K] contiguous as in the checkpoint.
 //
-// Few rows (M <= 4): each thread streams ranges of w's rows, one row at a time (one sequential stream reads
-// at the memory's speed; several interleaved row streams measured 2x slower), and dots each row with every
-// row of x (x stays in L1).
+// Few rows (M <= gemv_rows: one float32 row, up to 16 with bfloat16 weights): each thread streams ranges of w's
+// rows, one row at a time (one sequential stream reads at the memory's speed; several interleaved row streams
+// measured 2x slower), and dots each row with every row of x (x stays in L1).
 // More rows: x is transposed into panels of 16 rows (8 when M <= 8), xt [K, lanes]; each w element is
 // broadcast against a panel row, so the outputs of one w row for a whole panel accumulate in one vector with
 // no horizontal sums; a tile of R = 6 rows of w x 16 lanes keeps 12 accumulators in registers (93-95% of one
@@ -684,11 +684,19 @@ static void linear_panels(const float* xtp, long M, const W* w, long N, long K, 
     });
 }
 
-// the path (GEMV or panels) is chosen for path_m rows: a row's result depends on the path, never on the other rows
+// The most rows the GEMV takes; more take the panels (chosen for path_m rows, alike by every caller: a row's result
+// depends on the path, never on the other rows). float32: one. At 2..4 rows the panels' tiles already stream w at
+// the memory's speed and the GEMV's 4-row dots did not ([M, 1024] x [4096, 1024]^T, 2-core EPYC: 0.49-0.55 ms
+// against 0.54-0.80). bfloat16: 16. The panels widen w into scratch first, work per weight that held them at 1.25x
+// float32's time at 8 rows; the GEMV widens in registers (8 rows 0.49-0.53 ms against 0.70, 12 rows 0.78 against
+// 1.19-1.30, 16 rows level).
+template <typename W>
+constexpr long gemv_rows() { return sizeof(W) == 2 ? 16 : 1; }
+
 template <typename W>
 static void linear(const float* x, long M, long ldx, const W* w, long N, long K, const float* b, float* y,
                    long ldy, int nt, long path_m) {
-    if (path_m <= 4) {
+    if (path_m <= gemv_rows<W>()) {
         const int threads = N * K >= 65536 ? nt : 1;
         if constexpr (sizeof(W) == 2 && BF16_EO) {  // x in the order load_eo reads the rows (dot_rows)
             static thread_local std::vector<float> eo_store;
@@ -1507,9 +1515,9 @@ static void act_mul(int act, const float* gu, long T, long I, long ld, float* ou
 // Mixture-of-experts (zoo/layers/moe.py's StackedExperts, one call per layer): out [T, Hd] = for each token t,
 // the sum over its K experts e of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), w13 [E, 2I, Hd] (gate rows,
 // then up rows), w2 [E, Hd, I]. The T K assignments are grouped by expert (token order kept within an expert,
-// as a stable sort of ids); each expert's rows take the path their count picks (GEMV for <= 4 rows, panels
-// for more: a row's result never depends on the other rows), and the experts on the GEMV path run as one
-// GEMV over all their rows (one pass, the threads splitting every expert's rows, not one region per expert).
+// as a stable sort of ids); each expert's rows take the path their count picks (the experts with <= 4 rows one
+// GEMV over all their rows: one pass, the threads splitting every expert's rows, not one region per expert; the
+// others linear's choice, gemv_rows: a row's result never depends on the other rows).
 // The combine: out[t] = y_0 w_0 + y_1 w_1 + ..., the token's experts in ascending id (moe.py's
 // combine_in_expert_order, the same roundings). ids must lie in [0, E) (the caller checks).
 
@@ -2359,7 +2367,7 @@ typedef LayerWeightsT<float, float> LayerWeights;
 template <typename W, typename C>
 static void gated_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>& w, long I, int act, float* gu,
                       float* a, float* h, int nt, long path_m) {
-    if (path_m <= 4 || w.gate_up_q || w.down_q) {  // (quantised: the rows of y, as the module path)
+    if (path_m <= gemv_rows<W>() || w.gate_up_q || w.down_q) {  // (quantised: the rows of y, as the module path)
         any_linear(x, R, Hd, w.gate_up, w.gate_up_q, 2 * I, Hd, w.gate_up_bias, gu, 2 * I, nt, path_m);
         act_mul(act, gu, R, I, 2 * I, a, nt);
         any_linear(a, R, I, w.down, w.down_q, Hd, I, w.down_bias, h, Hd, nt, path_m);
