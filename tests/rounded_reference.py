@@ -45,16 +45,20 @@ def round_to_bf16(model, params=lambda name: True, kv: bool = True, attention: s
 
 @contextmanager
 def cache_rounded(model):
-    """Within: `model` (transformers, eager attention) reads its KV cache as zoo's bfloat16 cache holds it, for
-    any architecture: k (rotated) and v rounded to bfloat16 where its own eager attention function receives them
-    (the function of each attention module's file, patched for the duration: Gemma2's softcaps, gpt-oss's sinks
-    stay), and for multi-head latent attention (DeepSeek, which caches the latent) the normalised latent and the
-    rotated rope key rounded where `expand_kv` receives them, as zoo's latent cache rows hold them."""
+    """Within: `model` (transformers, eager attention; or a part of one: a multimodal model's language model, whose
+    vision tower keeps no cache) reads its KV cache as zoo's bfloat16 cache holds it, for any architecture: k
+    (rotated) and v rounded to bfloat16 where its own eager attention function receives them (the function of each
+    attention module's file, patched for the duration, rounding for `model`'s attention modules only: Gemma2's
+    softcaps, gpt-oss's sinks stay), and for multi-head latent attention (DeepSeek, which caches the latent) the
+    normalised latent and the rotated rope key rounded where `expand_kv` receives them, as zoo's latent cache rows
+    hold them."""
     attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    ours = {id(m) for m in attns}
     files = {sys.modules[type(m).__module__] for m in attns if not hasattr(m, "expand_kv")}
     saved = [(f, f.eager_attention_forward) for f in files if hasattr(f, "eager_attention_forward")]
     for f, attend in saved:
-        f.eager_attention_forward = _on_bf16_kv(attend)
+        f.eager_attention_forward = (lambda attend, rounded: lambda module, *args, **kwargs: (
+            rounded if id(module) in ours else attend)(module, *args, **kwargs))(attend, _on_bf16_kv(attend))
     for m in attns:
         if hasattr(m, "expand_kv"):
             m.expand_kv = (lambda expand: lambda latent, k_rot: expand(bf16(latent), bf16(k_rot)))(m.expand_kv)

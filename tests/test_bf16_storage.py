@@ -7,7 +7,8 @@ normalised latent and rope key) to bfloat16. The reference is transformers float
 equal, the log-probability of every generated token within TOL, on the path users run (the fused native step where
 the model takes it, else the modules on the native kernels) and on the torch path (kernels off). A bfloat16
 activation anywhere would part them by ~1e-2 (what rounding the cache alone, not the reference, does: measured on
-DeepSeek-V3's latent, 2.4e-2).
+DeepSeek-V3's latent, 2.4e-2). The multimodal models run with images: their vision towers' matrices are bfloat16
+too, and keep no cache.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from multimodal_tiny import drawn_image, qwen2_vl_inputs, random_image, save_tiny_llava, save_tiny_qwen2_vl
 from rounded_reference import cache_rounded
 from tiny_configs import TINY_CONFIGS, save_arch
 from zoo import kernels
@@ -35,7 +37,10 @@ ARCHS = [a for a in TINY_CONFIGS if not a.endswith("ForConditionalGeneration")] 
 
 def save_bf16(arch: str, path: Path) -> Path:
     """The tiny checkpoint of `arch`, every floating-point tensor saved as bfloat16."""
-    path = save_arch(arch, path)
+    return to_bf16(save_arch(arch, path))
+
+
+def to_bf16(path: Path) -> Path:
     for f in path.glob("*.safetensors"):
         tensors = load_file(f)
         save_file({k: v.to(BF16) if v.is_floating_point() else v for k, v in tensors.items()}, f,
@@ -85,3 +90,48 @@ def test_bf16_storage_computes_what_float32_computes_on_the_rounded_cache(arch, 
             ref_lp = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out.token_ids)]
             worst = max(abs(a - b) for a, b in zip(got, ref_lp))
             assert worst <= TOL, f"{arch} ({path_taken}) prompt {prompt}: log-probabilities part by {worst:.2e}"
+
+
+IMAGES = [random_image(0), drawn_image(1), drawn_image(2, (30, 70))]
+MULTIMODAL = {  # name -> (save, the placeholder in a prompt, processor inputs for transformers or None (its own))
+    "llava": (save_tiny_llava, "<image>", None),
+    "qwen2_vl": (save_tiny_qwen2_vl, "<|vision_start|> <|image_pad|> <|vision_end|>", qwen2_vl_inputs),
+}
+
+
+@pytest.mark.parametrize("name", list(MULTIMODAL))
+def test_bf16_storage_with_images(name, tmp_path):
+    """LLaVA (CLIP tower) and Qwen2-VL (its vision transformer, M-RoPE) from bfloat16 checkpoints, one and two images
+    and a text-only request in one batch through the runtime: transformers float32's tokens with the language
+    model's cache rounded, log-probabilities within TOL."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from zoo import LLM, SamplingParams
+
+    save, image, inputs_of = MULTIMODAL[name]
+    path = to_bf16(save(tmp_path / name))
+    prompts = [(f"user : w1 {image} w2 w3 assistant :", IMAGES[:1]),
+               (f"user : {image} w4 w5 {image} w6 assistant :", IMAGES[1:]), ("user : w7 w8 w9 assistant :", [])]
+    llm = LLM(str(path), dtype="bfloat16", block_size=4, max_num_batched_tokens=16)
+    tower = {p.dtype for n, p in llm.model.named_parameters() if "vision" in n or "visual" in n}
+    assert tower == {BF16, torch.float32}  # (its matrices; its norms, biases, patch embedding)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in prompts],
+                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0))
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ref.generation_config.eos_token_id = None
+    processor = None if inputs_of else AutoProcessor.from_pretrained(path)
+    for (text, images), out in zip(prompts, outs):
+        inputs = inputs_of(path, text, images) if inputs_of else dict(
+            processor(text=[text], images=images or None, return_tensors="pt"))
+        n = inputs["input_ids"].shape[1]
+        with cache_rounded(ref.model.language_model), torch.no_grad():
+            want = ref.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)[0]
+            whole = {**inputs, "input_ids": want[None], "attention_mask": torch.ones_like(want)[None]}
+            if "mm_token_type_ids" in inputs:  # (Qwen2-VL: the generated tokens are text)
+                whole["mm_token_type_ids"] = torch.zeros_like(whole["input_ids"], dtype=torch.int32)
+                whole["mm_token_type_ids"][:, :n] = inputs["mm_token_type_ids"]
+            ref.model.rope_deltas = None  # (Qwen2-VL keeps generate's M-RoPE offsets: computed anew for this input)
+            lp = torch.log_softmax(ref(**whole).logits[0].float(), -1)
+        assert out.token_ids == want[n:].tolist(), f"{name}: {text}"
+        worst = max(abs(d[t] - lp[n - 1 + j, t].item()) for j, (t, d) in enumerate(zip(out.token_ids, out.logprobs)))
+        assert worst <= TOL, f"{name}: {text}: log-probabilities part by {worst:.2e}"
