@@ -93,6 +93,8 @@ FUSED = {  # arch -> config overrides (the layer kinds the driver knows: dense t
     "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
                               layer_types=["sliding_attention", "full_attention"]),
     "MixtralForCausalLM": dict(),  # the routed experts (cpu.cpp's moe_experts on bfloat16 experts)
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,  # a dense layer,
+                                shared_expert_intermediate_size=48, decoder_sparse_step=2),  # then a shared expert
 }
 
 

@@ -299,8 +299,8 @@ def test_greedy_generation_matches_transformers(case):
     batch = random_prompts([19, 7, 3], vocab=128, seed=6)
     ref.generation_config.eos_token_id = None  # 32 tokens on both sides, whatever comes out
     llm = LLM(str(path), block_size=4)
-    if kernels.enabled():  # Mixtral's and Qwen3-MoE's routed experts run inside the fused native step
-        fused = name in ("mixtral", "qwen3_moe")
+    if kernels.enabled():  # Mixtral's, Qwen3-MoE's and Qwen2-MoE's experts run inside the fused native step
+        fused = name in ("mixtral", "qwen3_moe", "qwen2_moe")
         assert llm.engine.runner.step_path.startswith("fused native step") == fused, llm.engine.runner.step_path
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for i, (prompt, out) in enumerate(zip(batch, outs)):

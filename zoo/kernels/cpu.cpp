@@ -216,6 +216,11 @@ static inline T* room(std::vector<T>& v, size_t n) {
     return v.data();
 }
 
+// the same, on a 64-byte line: panels are read and written with aligned vector moves
+static inline float* room64(std::vector<float>& v, size_t n) {
+    return (float*)(((uintptr_t)room(v, n + 16) + 63) & ~(uintptr_t)63);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Pool: run(fn, ctx, n, threads) calls fn(ctx, c) once for every chunk c < n, on the caller and up to
 // threads - 1 workers. state = epoch << 32 | next chunk; a chunk is claimed by a compare-and-swap that
@@ -651,7 +656,7 @@ static inline long lanes_for(long M) { return M > 8 ? 16 : 8; }  // panels of 16
 static float* pack(const float* x, long M, long ldx, long K, int nt) {
     static thread_local std::vector<float> xt;
     const long lanes = lanes_for(M), P = (M + lanes - 1) / lanes;
-    float* xtp = (float*)(((uintptr_t)room(xt, P * K * lanes + 16) + 63) & ~(uintptr_t)63);
+    float* xtp = room64(xt, P * K * lanes);
     parallel_for(P, 1, P * K >= 16384 ? nt : 1, [&](long p) { pack_panel(x, M, ldx, K, lanes, p, xtp); });
     return xtp;
 }
@@ -1372,7 +1377,7 @@ static void qlinear(const float* x, long M, long ldx, const QMat& w, const float
     parallel_for((N + G - 1) / G, 1, threads, [&](long g) {
         static thread_local std::vector<float> panel;
         const long n0 = g * G, n1 = std::min(N, n0 + G);
-        float* wf = (float*)(((uintptr_t)room(panel, G * K + 16) + 63) & ~(uintptr_t)63);
+        float* wf = room64(panel, G * K);
         for (long n = n0; n < n1; n++) qmat_row(w, n, wf + (n - n0) * K);
         const float* wbase = wf - n0 * K;  // panel_range indexes w by the absolute row
         if (lanes == 16)
@@ -2357,6 +2362,10 @@ struct LayerWeightsT {
     const float* router;
     const W *experts_gate_up, *experts_down;
     long experts, top_k, renorm, moe_inter;
+    // and a shared expert (Qwen2-MoE; shared_gate_up non-null): a gated MLP [2 IS, Hd], [Hd, IS] whose output,
+    // times sigmoid(x . shared_gate) (shared_gate [1, Hd]), is added to the experts' sum
+    const W *shared_gate_up, *shared_down, *shared_gate;
+    long shared_inter;
 };
 typedef LayerWeightsT<float, float> LayerWeights;
 
@@ -2390,6 +2399,23 @@ static void moe_mlp(const float* x, long R, long Hd, const LayerWeightsT<W, C>& 
     linear(x, R, Hd, w.router, w.experts, Hd, (const float*)nullptr, logits, w.experts, nt, R);
     softmax_topk(logits, R, w.experts, w.top_k, (int)w.renorm, wts, ids);
     moe_experts(x, R, Hd, ids, wts, w.top_k, w.experts_gate_up, w.experts_down, w.experts, w.moe_inter, act, h, nt);
+    if (!w.shared_gate_up) return;
+    // h += sigmoid(x . shared_gate) * shared(x), as the module path (zoo/layers/moe.py's SparseMoeBlock): the shared
+    // expert is a dense gated MLP on the same kernels, the sigmoid in float32, a multiply, then the add
+    const long IS = w.shared_inter, Rp = (R + 15) / 16 * 16;
+    static thread_local std::vector<float> sgu_store, sa_store, sh_store, sg_store;
+    float* sgu = room64(sgu_store, Rp * 2 * IS);  // (rows or panels, as llama_forward's gu and a)
+    float* sa = room64(sa_store, Rp * IS);
+    float* sh = room(sh_store, R * Hd);
+    float* sg = room(sg_store, R);
+    LayerWeightsT<W, C> shared{};
+    shared.gate_up = w.shared_gate_up, shared.down = w.shared_down;
+    gated_mlp(x, R, Hd, shared, IS, act, sgu, sa, sh, nt, R);
+    linear(x, R, Hd, w.shared_gate, 1, Hd, (const float*)nullptr, sg, 1, nt, R);
+    for (long r = 0; r < R; r++) {
+        const float g = 1.0f / (1.0f + std::exp(-sg[r]));
+        for (long d = 0; d < Hd; d++) h[r * Hd + d] = h[r * Hd + d] + g * sh[r * Hd + d];
+    }
 }
 
 // the residual add res += h, or with a norm weight (Gemma3's sandwich) res += norm(h), normed into `scratch`
@@ -2425,7 +2451,7 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     const long Tp = (T + 15) / 16 * 16;  // the MLP's buffers hold whole panels of 16 rows
     const long need = T * (3 * Hd + nqkv + 2 * (H + KV) * D + H * D) + Tp * 3 * I + N * (2 * Hd + H * D) + 32;
     std::vector<float>& buf = need <= (64L << 20) ? kept : once;
-    float* hidden = (float*)(((uintptr_t)room(buf, need) + 63) & ~(uintptr_t)63);  // [T, Hd] the residual stream
+    float* hidden = room64(buf, need);  // [T, Hd] the residual stream
     float* x = hidden + T * Hd;       // [T, Hd] normed
     float* h = x + T * Hd;            // [T, Hd] a block's output
     float* qkv = h + T * Hd;          // [T, (H + 2 KV) D]

@@ -13,10 +13,12 @@ Qualifies: a model assembled from the Llama plugin's classes with their own forw
 Mistral / Qwen2 / Qwen3, which change only what the attention is built with: sliding windows, q/k/v bias,
 per-head q/k norms) or Gemma3's decoder layer (norms around both blocks' outputs, (1 + w) norms, a scaled
 embedding, GELU-tanh MLPs, a rope base per layer type); one norm kind and eps throughout, SiLU or GELU-tanh
-gated MLPs or MoE blocks of softmax top-k routing over stacked experts without a shared expert
-(Mixtral, Qwen3-MoE: the router's logits from the native GEMM where the module path has torch's F.linear, so
-those logits, and the rest after them, agree with the module path to rounding, not bit for bit; the experts
-are cpu.cpp's moe_experts, the module path's kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the context length, float32 CPU weights and
+gated MLPs or MoE blocks of softmax top-k routing over stacked experts, with at most a shared expert and its
+sigmoid gate (Mixtral, Qwen3-MoE, Qwen2-MoE: the router's logits from the native GEMM where the module path has
+torch's F.linear, and the gate's sigmoid from std::exp where it has torch's, so those agree with the module path to
+rounding, not bit for bit, and the rest after them too; the experts are cpu.cpp's moe_experts, the module path's
+kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the
+context length, float32 CPU weights and
 caches, or bfloat16 ones as zoo stores a bfloat16 model on the CPU (`zoo_llama_forward_bf16`: the matrices, the
 embedding, the head, the experts and the KV cache read as bfloat16 and widened; the norms, biases and routers
 float32, as the activations and the arithmetic: zoo.build.storage_dtypes), or block-quantised matrices with
@@ -72,7 +74,9 @@ class _Layer(ctypes.Structure):
         "k_norm", "post_attn", "post_ff", "cos", "sin", "cache")] + [
         ("window", ctypes.c_long)] + [(name, ctypes.c_void_p) for name in (
         "qkv_q", "o_q", "gate_up_q", "down_q", "router", "experts_gate_up", "experts_down")] + [
-        (name, ctypes.c_long) for name in ("experts", "top_k", "renorm", "moe_inter")]
+        (name, ctypes.c_long) for name in ("experts", "top_k", "renorm", "moe_inter")] + [
+        (name, ctypes.c_void_p) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [
+        ("shared_inter", ctypes.c_long)]
 
 
 def _own_forwards(obj, names, plugin: str = _PLUGIN) -> bool:
@@ -94,6 +98,12 @@ def _decoder(model):
     inner = model.model.language_model
     return inner if _own_forwards(inner, ("LlamaModel.forward",)) and _own_forwards(
         inner, _LLAVA_FORWARDS["embed"], _LLAVA) else None
+
+
+def _plain_mlp(mlp, kind: str | None = None) -> bool:
+    """A GatedMLP of the shared kinds (of activation `kind`, when given): gate_up a MergedLinear, down a Linear."""
+    return (type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear
+            and (kind is None or mlp.kind == kind))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -166,16 +176,17 @@ class FusedDecoder:
                 return f"{attn.prefix}: {type(attn).__name__} overrides {' or '.join(_FORWARDS['attention'])}"
             moe = type(mlp) is SparseMoeBlock
             if not (type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear and type(core) is Attention
-                    and (moe or (type(mlp) is GatedMLP and type(mlp.gate_up_proj) is MergedLinear
-                                 and type(mlp.down_proj) is Linear))):
+                    and (moe or _plain_mlp(mlp))):
                 return f"{layer.prefix}: a projection, the attention core or the MLP is not of the shared kinds"
+            shared = getattr(mlp, "shared_expert", None) if moe else None
             if moe and not (type(mlp.gate) is TopKRouter and type(mlp.experts) is StackedExperts
-                            and mlp.gate.scoring == "softmax" and not hasattr(mlp, "shared_expert")
-                            and mlp.gate.num_experts <= 256 and mlp.gate.top_k <= 64):
+                            and mlp.gate.scoring == "softmax" and mlp.gate.num_experts <= 256 and mlp.gate.top_k <= 64
+                            and (shared is None or _plain_mlp(shared, mlp.experts.kind)
+                                 and type(mlp.shared_expert_gate) is Linear and mlp.shared_expert_gate.bias is None)):
                 return (f"{layer.prefix}.mlp: a MoE block other than softmax top-k routing over at most 256 stacked "
-                        f"experts without a shared expert")
+                        f"experts, with at most a shared expert of their activation without biases and its sigmoid gate")
             if moe:
-                mlp = mlp.experts  # (its kind, its weights; the router's below)
+                mlp = mlp.experts  # (its kind, its weights; the router's and a shared expert's below)
             if core.softcap is not None or hasattr(attn, "sinks"):
                 return f"{attn.prefix}: softcapped attention scores or attention sinks"
             rope = attn.rotary_emb
@@ -206,6 +217,11 @@ class FusedDecoder:
             router = layer.mlp.gate if moe else None
             if moe:
                 params.append(router.weight)
+            if shared is not None:
+                sw = [shared.gate_up_proj.weight, shared.down_proj.weight, layer.mlp.shared_expert_gate.weight]
+                matrices += sw
+                if any(t.dtype is torch.uint8 for t in sw):
+                    return f"{layer.prefix}.mlp.shared_expert: block-quantised (the driver's shared expert is float)"
             if kv_caches is None:
                 continue
             cache = kv_caches[attn.prefix]
@@ -216,6 +232,8 @@ class FusedDecoder:
                 _float_or_blocks(x, held) for x in (w[4], w[5]))
             routed = ((router.weight.data_ptr(), w[4].data_ptr(), w[5].data_ptr(), router.num_experts, router.top_k,
                        int(router.renormalize), mlp.intermediate_size) if moe else (None, None, None, 0, 0, 0, 0))
+            routed += ((*(t.data_ptr() for t in sw), shared.down_proj.input_size) if shared is not None
+                       else (None, None, None, 0))
             layers.append(_Layer(_ptr(w[0]), qkv, _ptr(b[1]), o, _ptr(b[2]), _ptr(w[3]), gu,
                                  _ptr(b[4]), down, _ptr(b[5]),
                                  *(_ptr(n.weight) if n is not None else None for n in (*qk, post_attn, post_ff)),
