@@ -66,6 +66,12 @@ def test_max_model_len_past_learned_positions_is_refused_before_the_weights(tmp_
         assert "loading weights" not in err
     with pytest.raises(ValueError, match=f"^max_model_len=17: {re.escape(why)}$"):
         LLM(str(gpt2), max_model_len=17)
+    from zoo.build import build_model
+    from zoo.runtime.engine import LLMEngine
+
+    model, config, *_ = build_model(gpt2)  # an engine built on a model (another engine's use of zoo)
+    with pytest.raises(ValueError, match=f"^max_model_len=17: {re.escape(why)}$"):
+        LLMEngine(model, config, max_model_len=17)
     # the default context is the learned positions: a long reply is cut there
     assert main(["run", str(gpt2), "--prompt", words(3), "--max-tokens", "40", "--ignore-eos", "--no-chat"]) == 0
     assert "the reply was cut at the context length (max_model_len=16)" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from zoo.runtime import chat_template
-from zoo.runtime.engine import LLMEngine, RequestOutput
+from zoo.runtime.engine import LLMEngine, RequestOutput, learned_positions
 from zoo.runtime.model_files import (load_config, load_generation_config, load_processor, load_tokenizer,
                                      resolve_model, resolve_tokenizer)
 from zoo.runtime.sampling_params import SamplingParams
@@ -55,14 +55,8 @@ def check_device(device) -> torch.device:
 
 
 def check_max_model_len(max_model_len: int | None, spec, config) -> None:
-    """A model class with `learned_positions = True` (GPT-2) looks each position up in a table of
-    config.max_position_embeddings rows: a longer max_model_len is a ValueError naming it, before any weight is
-    read, not an IndexError mid-generation (rotary positions go on past that length: other models take any)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if max_model_len is not None and isinstance(limit, int) and max_model_len > limit \
-            and getattr(spec.model_class(), "learned_positions", False):
-        raise ValueError(f"max_model_len={max_model_len}: {spec.architectures[0]} learned {limit} positions "
-                         f"(max_position_embeddings) and embeds none past them")
+    """The LLM's check (before any weight is read) of the model class the spec names: engine.learned_positions."""
+    learned_positions(max_model_len, spec.model_class(), config, spec.architectures[0])
 
 
 class LLM:
