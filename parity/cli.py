@@ -3,6 +3,8 @@
     zoo parity MODEL [--prompts FILE] [--scenario NAME ...] [--tol key=value ...] [--json PATH] [--html PATH]
     zoo parity x.gguf [--dtype float32]   (default: the zoo side keeps the GGUF's blocks quantized, as `zoo run`;
                                            --dtype float32 dequantizes it, as the reference always does)
+    zoo parity MODEL --dtype bfloat16     (the zoo side as `zoo run --dtype bfloat16` runs on the CPU; the reference
+                                           transformers float32 on the same values, its cache rounded as the zoo's)
     zoo parity --tiny CONFIG      (a directory with config.json, or the file: shrunk, random weights)
 
 Exit status: 0 every scenario passes, 1 a divergence (or the zoo's strict loader refuses the checkpoint),
@@ -38,10 +40,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=4, help="KV block size of the runtime (default 4)")
     parser.add_argument("--chunk-tokens", type=int, default=7, help="chunked scenario: token budget per step")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=["float32"],
-                        help="a GGUF file: dequantize it to float32 on the zoo side too (default: its blocks kept "
-                             "quantized where `zoo run` keeps them, judged with the quantized tolerances; the "
-                             "reference is transformers' dequantized float32 model either way)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="float32: a GGUF file dequantized to float32 on the zoo side too (default: its blocks "
+                             "kept quantized where `zoo run` keeps them, judged with the quantized tolerances; the "
+                             "reference is transformers' dequantized float32 model either way). bfloat16 (a "
+                             "safetensors checkpoint, CPU): the zoo side stores its matrices, embeddings and KV caches "
+                             "in bfloat16 (float32 math); the reference is transformers float32 on the same values "
+                             "(a temporary copy with those tensors rounded when the checkpoint holds them wider), its "
+                             "cache reads rounded as the zoo's cache rounds them; judged with the bfloat16 tolerances")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="run the zoo side over N tensor-parallel ranks (spawned, gloo) and compare the taps "
                              "every rank holds whole (layers, norms, attention / MLP outputs, logits)")
@@ -94,6 +100,9 @@ def run(args) -> int:
         if value < 1:  # (each scenario would crash on it and read as a divergence)
             print(f"zoo parity: --{name.replace('_', '-')} {value}: expected 1 or more", file=sys.stderr)
             return 2
+    import torch
+
+    dtype = getattr(torch, args.dtype or "float32")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     tmp = None
     try:
@@ -115,7 +124,7 @@ def run(args) -> int:
                             tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                             block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
                             replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
-                            quantized=False if args.dtype == "float32" else None, progress=say)
+                            quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say)
         images = None
         if args.image:
             from parity.multimodal import image_parity
@@ -123,7 +132,7 @@ def run(args) -> int:
             say(f"image parity: {len(args.image)} image(s)")
             try:
                 images = image_parity(model, args.image_prompt, args.image, tol_overrides=overrides,
-                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens)
+                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens, dtype=dtype)
             except (ValueError, AttributeError) as e:  # an undecodable image, a model without images
                 raise ParityUsageError(f"--image: {e}") from e
     except ParityUsageError as e:

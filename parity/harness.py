@@ -20,6 +20,7 @@ that disagree with it, and sampled rows that are not a request's last token, are
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import math
@@ -33,13 +34,14 @@ import torch
 
 from parity import SCENARIOS
 from parity.align import Trace
+from parity.bfloat16 import cache_rounded, reference_checkpoint
 from parity.compare import Comparison, compare, first_divergence, verdict
 from parity.constants import built_constants
 from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
 from parity.taps import LOGITS, TP_REPLICATED_ROLES, reference_taps, role_of, short
-from parity.tolerances import tolerances
+from parity.tolerances import tolerance_set, tolerances
 from parity.zoo_side import ZooSide
 
 DEFAULT_TEXT_PROMPTS = (
@@ -245,11 +247,15 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
                prompts_file=None, scenarios=SCENARIOS, tol_overrides: dict[str, float] | None = None,
                seed: int = 0, max_new_tokens: int = 4, block_size: int = 4, chunk_tokens: int = 7,
                device: str = "cpu", replay: bool = True, tensor_parallel_size: int = 1,
-               quantized: bool | None = None, progress: Callable[[str], None] | None = None) -> ParityResult:
+               quantized: bool | None = None, dtype: torch.dtype = torch.float32,
+               progress: Callable[[str], None] | None = None) -> ParityResult:
     """`quantized`: run the zoo side on a GGUF's blocks kept quantized (True), dequantized to float32 (False), or
     (None, `zoo run`'s default) quantized for a GGUF on the CPU in one process whose block types all have
     kernels. The reference is transformers' dequantized float32 model either way; quantized runs are judged
-    with their own tolerances (parity/tolerances.py QUANTIZED)."""
+    with their own tolerances (parity/tolerances.py QUANTIZED).
+    `dtype=torch.bfloat16`: the zoo side built in bfloat16 (the CPU's storage: compact weights and KV caches
+    bfloat16, float32 math), the reference transformers float32 on the same weights with its cache reads rounded
+    the same way (parity/bfloat16.py), judged with BFLOAT16 (parity/tolerances.py)."""
     from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
 
     say = progress or (lambda msg: None)
@@ -289,33 +295,23 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             raise ParityUsageError(degenerate_message(bad))
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
+    bfloat16 = dtype is torch.bfloat16
+    if bfloat16:
+        check_bfloat16(files, device)
+    elif dtype is not torch.float32:
+        raise ParityUsageError(f"--dtype {_name(dtype)}: expected float32 or bfloat16")
     source, quantization = zoo_quantization(files, quantized, device, tensor_parallel_size)
     if quantization["note"]:
         say(quantization["note"])
 
     t0 = time.perf_counter()
-    try:  # a failure to load either side is an environment / usage error, named; but a strictness
-        # failure of the zoo's loader on the checkpoint's content is a finding
-        say(f"loading the reference (transformers, float32, eager) from {files.path}")
-        kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
-        ref_model = load_reference(files.directory if files.is_gguf else files.path, device=device, **kw)
-        if tensor_parallel_size > 1:
-            say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, float32)")
-        else:
-            say(f"building the zoo model (build_model, float32{', GGUF blocks kept quantized' * (source is not None)})")
-        zoo = ZooSide(source or files.path, device=device, config=config, tensor_parallel_size=tensor_parallel_size,
-                      quantized=source is not None)
-    except LoadError as e:
-        if "ref_model" in locals() and exit_status(e) == 1:
-            raise ZooLoadFailure(model, e) from e
-        side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
-        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
-    except Exception as e:
-        side = "the zoo model" if "ref_model" in locals() else "the transformers reference"
-        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
+    with contextlib.ExitStack() as loading:
+        ref_model, zoo, reference = _load_sides(model, files, config, source, dtype, device, tensor_parallel_size,
+                                                loading, say)
+        cleanup = loading.pop_all()  # kept to the end: the zoo's tensor-parallel workers, a rounded copy
     try:
         family = zoo.spec.family
-        tol = tolerances(family, tol_overrides, quantized=source is not None)
+        tol = tolerances(family, tol_overrides, quantized=source is not None, bfloat16=bfloat16)
         kept = getattr(zoo.load_report, "quantized", None) or {}
         quantization.update(weights=kept, types=_type_counts(kept))
         num_params = sum(math.prod(p.quant.shape) if getattr(p, "quant", None) is not None else p.numel()
@@ -334,6 +330,8 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
                    block_size=block_size, chunk_tokens=chunk_tokens))
         ctx.constants = constants["mismatches"]
         results: dict[str, ScenarioResult] = {}
+        if bfloat16:  # (a multimodal model's language model: its vision tower keeps no cache)
+            cleanup.enter_context(cache_rounded(ref_model.get_decoder()))
         for name in scenarios:
             t = time.perf_counter()
             say(f"scenario {name}")
@@ -354,7 +352,9 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             "versions": {"transformers": _version("transformers"), "torch": torch.__version__, "zoo": _version("zoo")},
             "checkpoint": str(files.path),
             "checkpoint_sha256": checkpoint_hash(files),
-            "dtype": "float32",
+            "dtype": _name(dtype),
+            "reference": reference,
+            "tolerance_set": tolerance_set(family, quantized=source is not None, bfloat16=bfloat16),
             "quantization": quantization,
             "metrics_dtype": "float64",
             "device": device,
@@ -372,8 +372,62 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
                             {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
                             constants)
     finally:
-        zoo.close()  # a tensor-parallel group's workers stop
+        cleanup.close()
 
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_bfloat16(files, device) -> None:
+    """A bfloat16 run checks the CPU's bfloat16 storage (float32 activations) of a safetensors checkpoint."""
+    from zoo import kernels
+
+    if files.is_gguf:
+        raise ParityUsageError(f"--dtype bfloat16: {files.name} is a GGUF file, whose blocks run quantized (the "
+                               f"default) or dequantized to float32 (--dtype float32); bfloat16 parity takes a "
+                               f"safetensors checkpoint")
+    if str(device) != "cpu" or kernels.device_path(torch.empty(0)):
+        raise ParityUsageError(f"--dtype bfloat16 checks the CPU's bfloat16 storage (float32 activations); on the "
+                               f"device path (device {device}) every activation is bfloat16 too, which no float32 "
+                               f"reference computes")
+
+
+def _load_sides(model, files, config, source, dtype, device, tensor_parallel_size, cleanup, say):
+    """(transformers' model, the ZooSide, the report's reference record {"route", "rounded_tensors", "cache", "note"});
+    the zoo's close and a rounded copy's removal go on `cleanup`. A failure to load either side is an environment /
+    usage error, named; but a strictness failure of the zoo's loader on the checkpoint's content is a finding."""
+    from loader import LoadError
+    from zoo.build import exit_status
+
+    side = "the zoo model"  # (a bfloat16 run plans the zoo model's load first)
+    try:
+        path, reference = files.path, {"route": "checkpoint as is", "rounded_tensors": 0, "cache": "float32",
+                                       "note": "the checkpoint as it is"}
+        if dtype is torch.bfloat16:
+            path, reference = cleanup.enter_context(reference_checkpoint(files.path, config, say))
+            reference["cache"] = "k and v rounded to bfloat16 where its attention reads them, as the zoo's cache " \
+                                 "holds them"
+        side = "the transformers reference"
+        say(f"loading the reference (transformers, float32, eager) from {path}")
+        kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
+        ref_model = load_reference(files.directory if files.is_gguf else path, device=device, **kw)
+        side = "the zoo model"
+        if tensor_parallel_size > 1:
+            say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, {_name(dtype)})")
+        else:
+            say(f"building the zoo model (build_model, {_name(dtype)}"
+                f"{', GGUF blocks kept quantized' * (source is not None)})")
+        zoo = ZooSide(source or path, device=device, config=config, tensor_parallel_size=tensor_parallel_size,
+                      quantized=source is not None, dtype=dtype)
+        cleanup.callback(zoo.close)  # a tensor-parallel group's workers stop
+    except LoadError as e:
+        if side == "the zoo model" and exit_status(e) == 1:
+            raise ZooLoadFailure(model, e) from e
+        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise ParityUsageError(f"cannot load {side} from {model}: {type(e).__name__}: {e}") from e
+    return ref_model, zoo, reference
 
 
 def rotary_off_matches(ref_model, zoo: ZooSide, prompts, wanted, tap: str, tol, block_size) -> bool | None:

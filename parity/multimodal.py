@@ -30,13 +30,15 @@ each against transformers' one-shot forward with the same images:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from parity.align import from_padded
+from parity.bfloat16 import cache_rounded, reference_checkpoint
 from parity.compare import compare, first_divergence, verdict
-from parity.harness import ScenarioResult
+from parity.harness import ScenarioResult, check_bfloat16
 from parity.inputs import special_ids
 from parity.metrics import compare_logits, compare_rows
 from parity.reference import load_reference
@@ -155,14 +157,28 @@ def _reference_inputs(zoo_model, ids: list[int], items) -> tuple[torch.Tensor, d
 
 @torch.no_grad()
 def image_parity(model: str, prompt: str | list[int] | None, images: list, *, tol_overrides: dict | None = None,
-                 scenarios=IMAGE_SCENARIOS, block_size: int = 4, chunk_tokens: int = 7) -> ImageParity:
-    """`prompt` None: `default_prompt`. `scenarios`: which of IMAGE_SCENARIOS run through the runtime."""
+                 scenarios=IMAGE_SCENARIOS, block_size: int = 4, chunk_tokens: int = 7,
+                 dtype: torch.dtype = torch.float32) -> ImageParity:
+    """`prompt` None: `default_prompt`. `scenarios`: which of IMAGE_SCENARIOS run through the runtime.
+    `dtype=torch.bfloat16`: the zoo side built in bfloat16 (CPU storage, float32 math), the reference on the same
+    weights (parity/bfloat16.py), its language model's cache reads rounded in the runtime scenarios (the one-shot
+    forward keeps no cache on either side)."""
     files = resolve_model(model)
+    if dtype is not torch.bfloat16:
+        return _image_parity(files, prompt, images, tol_overrides, scenarios, block_size, chunk_tokens, dtype)
+    check_bfloat16(files, "cpu")
+    with reference_checkpoint(files.path, load_config(files)) as (path, _):
+        return _image_parity(resolve_model(path), prompt, images, tol_overrides, scenarios, block_size, chunk_tokens,
+                             dtype)
+
+
+def _image_parity(files, prompt, images, tol_overrides, scenarios, block_size, chunk_tokens, dtype) -> ImageParity:
+    bfloat16 = dtype is torch.bfloat16
     processor = load_processor(files)
-    zoo = ZooSide(files.path, config=load_config(files), processor=processor)
+    zoo = ZooSide(files.path, config=load_config(files), processor=processor, dtype=dtype)
     zoo_model, config, spec = zoo.model, zoo.config, zoo.spec
     ref = load_reference(files.path)
-    tol = tolerances("multimodal", tol_overrides)
+    tol = tolerances("multimodal", tol_overrides, bfloat16=bfloat16)
     tokenizer = load_tokenizer(files)
     mm = MultiModal(zoo_model, processor, tokenizer=tokenizer)
     if prompt is None:
@@ -220,8 +236,9 @@ def image_parity(model: str, prompt: str | list[int] | None, images: list, *, to
     if items:
         run = _Scenarios(ref, zoo, ids, items, images, tol, block_size, chunk_tokens,
                          _text_ids(config, tokenizer, 8))
-        for name in scenarios:
-            result.scenarios[name] = getattr(run, name)()
+        with cache_rounded(ref.get_decoder()) if bfloat16 else contextlib.nullcontext():  # (the tower keeps none)
+            for name in scenarios:
+                result.scenarios[name] = getattr(run, name)()
     return result
 
 

@@ -3,8 +3,11 @@
 JSON layout (every number float64 rounded to 6 significant digits; null = position not compared;
 the strings "inf" / "-inf" = a non-finite metric, i.e. the model produced NaN/Inf at a compared position):
     {"model", "architecture", "family", "passed", "tolerances", "meta": {versions, checkpoint_sha256,
-     dtype, seed, "quantization": {"mode": "blocks" (a GGUF's blocks kept on the zoo side) | "dequantized" |
-     "none", "file_types": {GGML type: tensors}, "types": {block type: weights kept}, "weights": {parameter:
+     "dtype": "float32" | "bfloat16" (the zoo side's; parity/bfloat16.py), "reference": {"route": "checkpoint as is" |
+     "rounded copy" (bfloat16: a copy with the tensors the zoo stores in bfloat16 rounded), "rounded_tensors", "cache",
+     "note"}, "tolerance_set": "moe", "dense + QUANTIZED", "mla + BFLOAT16" ..., seed,
+     "quantization": {"mode": "blocks" (a GGUF's blocks kept on the zoo side) | "dequantized" | "none",
+     "file_types": {GGML type: tensors}, "types": {block type: weights kept}, "weights": {parameter:
      layout}, "activation_bits": 16 | 8 | 0 (float32 math; blocks only), "note"}, ...}, "prompts": [[ids]], "prompt_texts", "hints",
      "inputs": {"notes": [prompts the harness replaced or added], "exercised", "not_exercised": [features]},
      "constants": {"checked": [module constant], "mismatches": [text]},
@@ -109,15 +112,17 @@ def _e(x) -> str:
 
 
 def format_summary(result: ParityResult) -> str:
+    meta = result.meta or {}
+    named = f" ({meta['tolerance_set']})" if "tolerance_set" in meta else ""
     lines = [f"zoo parity: {result.architecture} ({result.family}) from {result.model}",
-             f"tolerances: " + ", ".join(f"{k}={v:g}" for k, v in result.tol.items()), ""]
+             f"tolerances{named}: " + ", ".join(f"{k}={v:g}" for k, v in result.tol.items()), ""]
     missing = sorted({t for s in result.scenarios.values() if s.comparison for t in s.comparison.missing
                       if "tensor_parallel" not in result.meta or role_of(t) in TP_REPLICATED_ROLES})
     if missing:
         lines.insert(2, f"not compared (no zoo module joins these reference taps; see parity_taps in parity/taps.py): "
                         f"{', '.join(missing)}")
     lines[2:2] = input_lines(result)
-    quant = (result.meta or {}).get("quantization") or {}
+    quant = meta.get("quantization") or {}
     if quant.get("mode") == "blocks":
         kinds = ", ".join(f"{k} x{n}" for k, n in quant.get("types", {}).items())
         lines.insert(2, f"quantized: the zoo side runs {len(quant.get('weights', {}))} weights as GGUF blocks "
@@ -125,6 +130,11 @@ def format_summary(result: ParityResult) -> str:
                         f"quantized tolerances (parity/tolerances.py QUANTIZED)")
     elif quant.get("mode") == "dequantized":
         lines.insert(2, f"dequantized: {quant['note']}")
+    if meta.get("dtype") == "bfloat16":
+        ref = meta["reference"]
+        lines.insert(2, f"bfloat16: the zoo side stores its matrices, embeddings and KV caches in bfloat16 (float32 "
+                        f"math); the reference is transformers float32 on {ref['note']}, its {ref['cache']}; "
+                        f"bfloat16 tolerances (parity/tolerances.py BFLOAT16)")
     if "tensor_parallel" in result.meta:
         tp = result.meta["tensor_parallel"]
         lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")

@@ -144,7 +144,7 @@ def runtime_findings(steps: list[dict]) -> list[str]:
 
 
 class ZooSide:
-    """The zoo model built once (build_model, float32) and run through a fresh engine per scenario.
+    """The zoo model built once (build_model, float32 or `dtype`) and run through a fresh engine per scenario.
 
     quantized=True (a GGUF file, or its opened loader source): its block-quantised weights stay as blocks and
     run on the block kernels (`zoo run`'s default for a GGUF: int16 activations in the decode GEMV of Q4_0 / Q4_1 /
@@ -153,10 +153,13 @@ class ZooSide:
     tensor_parallel_size=N: rank 0 of a tensor-parallel group (zoo/runtime/distributed.py) whose workers mirror
     every forward and head of every scenario's engine. Its taps are the points where every rank holds the whole
     tensor (taps.TP_REPLICATED_ROLES: after the row-parallel all-reduces and the vocab gather); column-split
-    activations inside a block, and a shared expert's partial sum, are not compared."""
+    activations inside a block, and a shared expert's partial sum, are not compared.
+
+    dtype=torch.bfloat16 (on the CPU): the compact weights and the KV caches stored in bfloat16, float32 math
+    (zoo.build.storage_dtypes), as `zoo run --dtype bfloat16` runs it."""
 
     def __init__(self, path, *, device: str = "cpu", config=None, processor=None, tensor_parallel_size: int = 1,
-                 quantized: bool = False):
+                 quantized: bool = False, dtype: torch.dtype = torch.float32):
         from zoo.build import build_model
 
         self.tp = None
@@ -165,12 +168,12 @@ class ZooSide:
 
             if str(device) != "cpu":
                 raise ValueError(f"tensor parallel size {tensor_parallel_size} runs on gloo: device must be 'cpu'")
-            self.tp = TensorParallelGroup(path, tensor_parallel_size, dtype=torch.float32)
+            self.tp = TensorParallelGroup(path, tensor_parallel_size, dtype=dtype)
             self.model, self.config, self.spec, self.load_report = \
                 self.tp.model, self.tp.config, self.tp.spec, self.tp.load_report
         else:
             self.model, self.config, self.spec, self.load_report = build_model(
-                path, dtype=torch.float32, device=device, config=config, quantized=quantized)
+                path, dtype=dtype, device=device, config=config, quantized=quantized)
         self.device = device
         self.processor = processor  # a multimodal model's: its engines take images
 

@@ -389,7 +389,7 @@ def planted(name: str, registry=None):
         reg.unregister_plugin(plugin_name)
 
 
-# -- runtime mutants: planted into the runner / fused step (class attributes, restored on exit) ---------------
+# -- runtime mutants: planted into the runner, the fused step or a shared layer (class attributes, restored on exit)
 def _chunk_restarts_at_zero(plan):
     """A prefill chunk after the first gets positions 0.. instead of num_computed_tokens.. (rotary only: the
     slots and the causal mask still come from the right accounting)."""
@@ -423,10 +423,20 @@ def _fused_logits_scaled(forward):
     return buggy
 
 
+def _embedding_rows_as_stored(forward):
+    """The embedding's rows as stored, not widened to the compute dtype: under a bfloat16 model a bfloat16
+    activation (the rows themselves exact; layer 0's norm, and what reads it, then compute on bfloat16 input)."""
+    def buggy(self, input_ids):
+        x = torch.nn.functional.embedding(input_ids, self.weight)  # [T] -> [T, H]; the bug: no .to(compute_dtype)
+        return x if self.scale is None else x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
+    return buggy
+
+
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
     "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
     "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "_forward", _fused_logits_scaled),
+    "embedding_rows_as_stored": ("zoo.layers.embedding:VocabEmbedding", "forward", _embedding_rows_as_stored),
 }
 
 

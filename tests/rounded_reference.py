@@ -3,11 +3,10 @@ parameters rounded to bfloat16, and k (after the rotation) and v rounded as a bf
 attention function registered with transformers (its sdpa, or eager, on the rounded k and v: rounding at every read is
 rounding once at the write, the current token's included, as zoo's attention reads them back from its cache). The
 arithmetic stays float32. And the measure both use: teacher-forced log-probabilities compared over the reference's top tokens.
+The cache's rounding alone, for any architecture (`cache_rounded`), is parity's (parity/bfloat16.py: `zoo parity
+--dtype bfloat16` runs its reference under it).
 """
 from __future__ import annotations
-
-import sys
-from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
@@ -15,20 +14,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-
-def bf16(t: torch.Tensor) -> torch.Tensor:
-    """t rounded to bfloat16 (nearest even), in its own dtype"""
-    return t.to(torch.bfloat16).to(t.dtype)
-
-
-def _on_bf16_kv(attend):
-    return lambda module, query, key, value, *args, **kwargs: attend(module, query, bf16(key), bf16(value), *args,
-                                                                     **kwargs)
-
+from parity.bfloat16 import bf16, cache_rounded, on_bf16_kv  # noqa: F401 (cache_rounded: the tests import it from here)
 
 for _name, _attend, _mask in (("sdpa", sdpa_attention_forward, sdpa_mask),
                               ("eager", eager_attention_forward, eager_mask)):
-    AttentionInterface.register(f"bf16_kv_{_name}", _on_bf16_kv(_attend))
+    AttentionInterface.register(f"bf16_kv_{_name}", on_bf16_kv(_attend))
     AttentionMaskInterface.register(f"bf16_kv_{_name}", _mask)  # (each takes its own form of mask)
 
 
@@ -41,34 +31,6 @@ def round_to_bf16(model, params=lambda name: True, kv: bool = True, attention: s
                 p.copy_(bf16(p))
     model.set_attn_implementation(f"bf16_kv_{attention}" if kv else attention)
     return model
-
-
-@contextmanager
-def cache_rounded(model):
-    """Within: `model` (transformers, eager attention; or a part of one: a multimodal model's language model, whose
-    vision tower keeps no cache) reads its KV cache as zoo's bfloat16 cache holds it, for any architecture: k
-    (rotated) and v rounded to bfloat16 where its own eager attention function receives them (the function of each
-    attention module's file, patched for the duration, rounding for `model`'s attention modules only: Gemma2's
-    softcaps, gpt-oss's sinks stay), and for multi-head latent attention (DeepSeek, which caches the latent) the
-    normalised latent and the rotated rope key rounded where `expand_kv` receives them, as zoo's latent cache rows
-    hold them."""
-    attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    ours = {id(m) for m in attns}
-    files = {sys.modules[type(m).__module__] for m in attns if not hasattr(m, "expand_kv")}
-    saved = [(f, f.eager_attention_forward) for f in files if hasattr(f, "eager_attention_forward")]
-    for f, attend in saved:
-        f.eager_attention_forward = (lambda attend, rounded: lambda module, *args, **kwargs: (
-            rounded if id(module) in ours else attend)(module, *args, **kwargs))(attend, _on_bf16_kv(attend))
-    for m in attns:
-        if hasattr(m, "expand_kv"):
-            m.expand_kv = (lambda expand: lambda latent, k_rot: expand(bf16(latent), bf16(k_rot)))(m.expand_kv)
-    try:
-        yield
-    finally:
-        for f, attend in saved:
-            f.eager_attention_forward = attend
-        for m in attns:
-            m.__dict__.pop("expand_kv", None)
 
 
 def logprobs(model, seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -82,3 +82,10 @@ def test_a_bug_in_the_quantized_path_only_fails_the_quantized_run(q4_1):
     logits = s.comparison.logits.summary(s.tol)
     assert logits["kl_max"] > s.tol["kl_max"], logits
     assert dequantized.passed, {n: r.failures for n, r in dequantized.scenarios.items()}
+
+
+def test_dtype_bfloat16_of_a_gguf_is_a_usage_error(q4_1, capsys):
+    """bfloat16 parity takes a safetensors checkpoint: refused before anything loads, naming the flag."""
+    assert zoo_main(["parity", str(q4_1), "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "zoo parity: --dtype bfloat16: m.gguf is a GGUF file" in err and "loading the reference" not in err, err
