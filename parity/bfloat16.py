@@ -96,7 +96,8 @@ def reference_checkpoint(path, config, say=lambda msg: None):
     if not wider:
         held = "the zoo's loader refuses it" if keys is None else \
             f"the {len(keys)} tensors the zoo stores in bfloat16 are bfloat16 there"
-        yield Path(path), {"route": "checkpoint as is", "rounded_tensors": 0, "note": f"the checkpoint as it is ({held})"}
+        yield Path(path), {"route": "checkpoint as is", "rounded_tensors": 0,
+                           "note": f"the checkpoint as it is ({held})"}
         return
     with tempfile.TemporaryDirectory(prefix="zoo-parity-bf16-") as tmp:
         say(f"writing a copy of the checkpoint with the {len(wider)} tensors the zoo stores in bfloat16 rounded to "

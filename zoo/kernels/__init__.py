@@ -245,6 +245,12 @@ def fast(*tensors: torch.Tensor) -> bool:
     return _lib is not None or _load() is not None
 
 
+def stored(*tensors: torch.Tensor) -> bool:
+    """Whether weights or caches are CPU tensors of one dtype the native kernels read: float32, or bfloat16 widened
+    (zoo's bfloat16 storage under float32 activations; `fast` checks the activations)."""
+    return tensors[0].dtype in PACKED and all(t.dtype is tensors[0].dtype and t.is_cpu for t in tensors)
+
+
 def cache_dir() -> Path:
     return paths.cache_dir("kernels")
 

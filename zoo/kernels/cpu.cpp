@@ -594,7 +594,9 @@ static void panel_range(const float* xt, long M, long p0, long p1, const W* w, l
         for (long j = 0; j < ns; j += R) {
             const int rows = (int)std::min<long>(R, ns - j);
             const W* wn = w + (n + j) * K;
-            auto out = [&](long p) { return yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES; };
+            auto out = [&](long p) {
+                return yt ? yt + (p * ldt + n + j) * LANES : stage + ((p - p0) * SUB + j) * LANES;
+            };
             if constexpr (sizeof(W) == 2) {
                 for (long o = 0; o < R * K; o += 32) prefetch_l2(wn + R * K + o);  // the next block: a line per 32
                 for (long kc = 0; kc < K; kc += KC) {

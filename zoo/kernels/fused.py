@@ -158,8 +158,8 @@ class FusedDecoder:
         if not (type(embed) is VocabEmbedding and type(head) is LMHead
                 and (head.softcap, head.bias, head.scale, head.divisor) == (None, None, None, None)):
             return "the embedding or the head is not a plain VocabEmbedding / LMHead (softcap, bias, scale)"
-        # the matrices (`matrices`: float32, bfloat16 with bfloat16 caches, or block-quantised, uint8 bytes, with float32
-        # caches) and the rest (`params`: norms, biases, routers), float32
+        # the matrices (`matrices`: float32, bfloat16 with bfloat16 caches, or block-quantised, uint8 bytes, with
+        # float32 caches) and the rest (`params`: norms, biases, routers), float32
         matrices, params, norms, ropes, shape = [embed.weight, head.weight], [final.weight], [final], [], set()
         layers, inters, moe_inters = [], set(), set()  # the dense MLPs' intermediate sizes, the experts'
         dtype = torch.float32 if embed.weight.dtype is torch.uint8 else embed.weight.dtype
@@ -184,7 +184,8 @@ class FusedDecoder:
                             and (shared is None or _plain_mlp(shared, mlp.experts.kind)
                                  and type(mlp.shared_expert_gate) is Linear and mlp.shared_expert_gate.bias is None)):
                 return (f"{layer.prefix}.mlp: a MoE block other than softmax top-k routing over at most 256 stacked "
-                        f"experts, with at most a shared expert of their activation without biases and its sigmoid gate")
+                        f"experts, with at most a shared expert of their activation without biases and its sigmoid "
+                        f"gate")
             if moe:
                 mlp = mlp.experts  # (its kind, its weights; the router's and a shared expert's below)
             if core.softcap is not None or hasattr(attn, "sinks"):

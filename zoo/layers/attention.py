@@ -65,7 +65,7 @@ class Attention(nn.Module):
                 max_seq_len=max(batch.seq_lens_cpu, default=0), sliding_window=self.sliding_window,
                 softcap=self.softcap, sinks=sinks)  # [T, H * D]
         if sinks is None and kernels.fast(q, k, v) and (kv_cache is None or (
-                kv_cache.dtype in kernels.PACKED and kv_cache.is_cpu and kv_cache.is_contiguous())):
+                kernels.stored(kv_cache) and kv_cache.is_contiguous())):
             return kernels.attention(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.sliding_window,
                                      softcap=self.softcap)  # [T, H * D]
         if kv_cache is not None:  # (a bfloat16 cache under float32 activations stores k and v rounded)

@@ -196,10 +196,8 @@ class MLAttention(nn.Module):
     def _absorbed_decode(self, reqs, q_nope, q_rope, rows, cache, batch, out) -> None:
         """Every one-token request of the step at once, over contexts padded to L."""
         self.path_counts["absorbed"] += len(reqs)
-        w = self.kv_b_proj.weight
-        if cache is not None and kernels.fast(q_nope, q_rope) and cache.dtype is w.dtype and w.dtype in kernels.PACKED \
-                and cache.is_cpu and w.is_cpu:  # one native call
-            kernels.mla_decode(q_nope, q_rope, cache, self.kv_b_proj.weight, batch.block_tables,
+        if cache is not None and kernels.fast(q_nope, q_rope) and kernels.stored(cache, self.kv_b_proj.weight):
+            kernels.mla_decode(q_nope, q_rope, cache, self.kv_b_proj.weight, batch.block_tables,  # one native call
                                [batch.query_start_loc_cpu[i] for i in reqs], reqs,
                                [batch.seq_lens_cpu[i] for i in reqs], v_dim=self.v_dim, scale=self.scale, out=out)
             return

@@ -154,9 +154,8 @@ class StackedExperts(nn.Module):
         if kernels.device_path(x):
             return self.grouped(x, topk_ids, topk_weights)
         w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
-        if self.kind and kernels.fast(x, topk_weights) and w13.dtype is w2.dtype and w13.dtype in kernels.PACKED \
-                and w13.is_cpu and w2.is_cpu:  # the whole dispatch in one native call (float32 or bfloat16 experts)
-            return kernels.moe_experts(x, topk_ids, topk_weights, w13, w2, self.kind)  # [T, H]
+        if self.kind and kernels.fast(x, topk_weights) and kernels.stored(w13, w2):  # float32 or bfloat16 experts
+            return kernels.moe_experts(x, topk_ids, topk_weights, w13, w2, self.kind)  # [T, H], one native call
         k = topk_ids.shape[1]
         with serial_ops(x):
             flat_ids = topk_ids.reshape(-1)  # [A]

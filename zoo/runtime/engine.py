@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -136,14 +137,15 @@ def bad_words_token_ids(tokenizer, words: list[str], vocab: int | None) -> list[
     return out
 
 
-def learned_positions(max_model_len: int | None, model_class, config, name: str) -> None:
+def learned_positions(max_model_len: int | None, model_class: Callable[[], type], config, name: str) -> None:
     """A model class with `learned_positions = True` (GPT-2) looks each position up in a table of
     config.max_position_embeddings rows: a longer max_model_len is a ValueError naming it (before any weight is
     read, from the LLM), not an IndexError mid-generation (rotary positions go on past that length: other models
-    take any)."""
+    take any). `model_class()` is called only for a max_model_len past that length (the LLM imports a plugin's
+    class there; one that does not import says so where the model is built)."""
     limit = getattr(config, "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit \
-            and getattr(model_class, "learned_positions", False):
+            and getattr(model_class(), "learned_positions", False):
         raise ValueError(f"max_model_len={max_model_len}: {name} learned {limit} positions "
                          f"(max_position_embeddings) and embeds none past them")
 
@@ -162,7 +164,7 @@ class LLMEngine:
         for name, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < 1):
                 raise ValueError(f"LLMEngine: {name}={value!r} must be a positive integer")
-        learned_positions(max_model_len, type(model), config, type(model).__name__)
+        learned_positions(max_model_len, lambda: type(model), config, type(model).__name__)
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer

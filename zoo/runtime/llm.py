@@ -55,12 +55,8 @@ def check_device(device) -> torch.device:
 
 
 def check_max_model_len(max_model_len: int | None, spec, config) -> None:
-    """The LLM's check (before any weight is read) of the model class the spec names: engine.learned_positions.
-    The class is imported only for a max_model_len past the config's positions (a plugin whose model does not
-    import says so where the model is built, with its PluginError)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
-        learned_positions(max_model_len, spec.model_class(), config, spec.architectures[0])
+    """The LLM's check, before any weight is read, of the model class the spec names (engine.learned_positions)."""
+    learned_positions(max_model_len, spec.model_class, config, spec.architectures[0])
 
 
 class LLM:
