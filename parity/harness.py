@@ -40,7 +40,7 @@ from parity.constants import built_constants
 from parity.inputs import degenerate_message, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
-from parity.taps import LOGITS, TP_REPLICATED_ROLES, reference_taps, role_of, short
+from parity.taps import EMBEDDED, LOGITS, TP_REPLICATED_ROLES, first_layer, reference_taps, role_of, short
 from parity.tolerances import tolerance_set, tolerances
 from parity.zoo_side import ZooSide
 
@@ -469,6 +469,7 @@ class _Run:
         self.ref_model, self.zoo, self.config, self.prompts, self.tol = ref_model, zoo, config, prompts, tol
         self.replay, self.say, self.k = replay, say, knobs
         self.wanted = set(reference_taps(ref_model)) | {LOGITS}
+        self.wanted |= {EMBEDDED} if first_layer(self.wanted) else set()
         if zoo.tp is not None:  # rank 0 holds only its part of a column-split activation: replicated points only
             self.wanted = {t for t in self.wanted if t == LOGITS or role_of(t) in TP_REPLICATED_ROLES}
         self._ref, self._packed, self._refs = None, None, {}

@@ -15,8 +15,10 @@ and the same for every tap inside layer i (norms, attention, router, MLP/MoE): e
 what the reference's sub-block computes inside the replayed layer. A correct zoo layer has local_i at
 rounding level whatever it inherited; the culprit is the first layer whose local error exceeds the
 tolerance, and inside it the first tap, in execution order, that does (the ones after it inherit).
-Embedding, final norm and logits have no input to replay: their local error is their error, the
-final norm's and logits' measured on the zoo's last-layer output.
+Embedding taps have no input to replay: their local error is their error (EMBEDDED, the first layer's input, is
+layer 0's input here, so an embedding multiplier or position embedding is the embedding's error, not layer 0's).
+The final norm is replayed on the zoo's last-layer output, the logits on the zoo's final-norm output through the
+reference's own forward (its head and every multiplier or softcap it applies after the norm).
 
 Hints come from the pattern of the culprit's per-position local error and from cheap hypothesis tests
 that run reference modules on the zoo's tensors (e.g. the post-attention norm of the attention output
@@ -31,8 +33,8 @@ import torch
 from parity import metrics
 from parity.align import Trace
 from parity.compare import first_bad
-from parity.reference import RefRun, replay_layer
-from parity.taps import LOGITS, layer_of, role_of, short
+from parity.reference import RefRun, replay_head, replay_layer
+from parity.taps import EMBEDDED, LOGITS, layer_of, role_of, short
 
 EXPERTS = "experts:"  # key prefix of the replayed routers' chosen experts
 
@@ -50,8 +52,12 @@ HINTS = {
     "shared_expert": "shared expert: its MLP or its sigmoid gate",
     "layer": "the decoder layer's residual adds (every sub-block inside it matches)",
     "final_norm": "final norm: eps or weight offset",
-    "logits": "LM head: tied vs untied weights, final logit softcapping, vocabulary padding",
+    "logits": "LM head: tied vs untied weights, a logit scale or divisor (Cohere's logit_scale, Granite's "
+              "logits_scaling), final logit softcapping, vocabulary padding",
 }
+EMBEDDED_HINT = ("the first layer's input: what the model does between the embedding and layer 0, an embedding "
+                 "multiplier or scale (Granite's embedding_multiplier), position embeddings added (GPT-2's wpe), "
+                 "image features merged at the placeholders")
 
 
 @dataclass
@@ -138,7 +144,9 @@ def localize(ref_model, ref_run: RefRun, ref: Trace, zoo: Trace, masks: list[tor
             inner = [t for t in ref.order if t.startswith(name + ".") and t in zoo.rows and t in replayed]  # ordered
             local_rows = {t: _rel(replayed[t], zoo.rows[t], _masks(here, (zoo, t))) for t in inner + [name]}
         elif role in ("final_norm", "logits") and replay and src in zoo.rows:
-            replayed = {name: _head(ref_model, modules, name, _zoo_input(zoo, ref, src), config)}
+            replayed = {name: replay_head(ref_model, ref_run, src, _zoo_input(zoo, ref, src))
+                        if role == "logits" and role_of(src) == "final_norm"
+                        else _head(ref_model, modules, name, _zoo_input(zoo, ref, src), config)}
             local_rows = {name: _rel(replayed[name], zoo.rows[name], here)}
         elif role == "embed":
             local_rows = {name: total_rows}  # nothing feeds it: all its error is its own
@@ -264,7 +272,7 @@ def _hints(ref_model, culprit, blocks, ref: Trace, zoo: Trace, masks, tol, confi
     ok_at_0 = bool(at_0) and all(at_0)
     first_pos = min((int(torch.nonzero(b).flatten()[0]) for b in bad if b.any()), default=pos)
     where = f"{short(tap)} at position {first_pos}"
-    hints = [f"{where}: {HINTS.get(role, 'this block')}"]
+    hints = [f"{where}: {EMBEDDED_HINT if tap == EMBEDDED else HINTS.get(role, 'this block')}"]
     window = _sliding_window(config, layer)
     if role == "attn":
         if window is not None and window - 1 <= first_pos <= window + 1 and first_pos > 0:

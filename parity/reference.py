@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from parity.align import Trace, from_padded
-from parity.taps import LOGITS, Capture, reference_taps
+from parity.taps import EMBEDDED, LOGITS, Capture, first_layer, reference_taps
 
 
 def load_reference(path, *, device: str = "cpu", **kwargs):
@@ -60,14 +60,17 @@ def run_reference(model, tokens: list[list[int]], *, padded: bool = False, pad_i
         for k, r in enumerate(reqs):
             ids[k, : len(tokens[r])] = torch.tensor(tokens[r])
             mask[k, : len(tokens[r])] = 1
-        with Capture(model, {n: n for n in taps}, keep_layer_calls=keep_layer_calls, root_output=False) as cap:
+        first = first_layer(taps)
+        with Capture(model, {n: n for n in taps}, inputs={first: EMBEDDED} if first else None,
+                     keep_layer_calls=keep_layer_calls, root_output=False) as cap:
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         step = cap.steps[-1]
         step.taps[LOGITS] = out.logits.detach().float().cpu()  # [B, S, V], final softcapping included
         raw.append((reqs, s, step.taps, step.experts))
         batches.append(RefBatch(reqs, s, step.layer_calls))
         order = order or cap.order + [LOGITS]
-    return RefRun(from_padded(raw, order, tokens), batches, {**taps, LOGITS: "logits"})
+    return RefRun(from_padded(raw, order, tokens), batches,
+                  {**taps, **({EMBEDDED: "embed"} if first_layer(taps) else {}), LOGITS: "logits"})
 
 
 @torch.no_grad()
@@ -112,6 +115,30 @@ def replay_layer(model, run: RefRun, layer: str, inputs: list[torch.Tensor],
                 for k, r in enumerate(batch.requests):
                     per[r] = x[k, : run.trace.lengths[r]]
     return out, experts
+
+
+@torch.no_grad()
+def replay_head(model, run: RefRun, final_norm: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The reference's logits [L_r, V] per request with its final norm's output replaced by `inputs` ([L_r, H] per
+    request, the zoo's): the model's own forward, so whatever it applies after that norm (the head, a logit scale
+    or divisor, softcapping) applies as it does."""
+    norm = dict(model.named_modules())[final_norm]
+    device = next(model.parameters()).device
+    out: list = [None] * len(run.trace.lengths)
+    for batch in run.batches:
+        ids = torch.zeros((len(batch.requests), batch.seq_len), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for k, r in enumerate(batch.requests):
+            ids[k, : run.trace.lengths[r]] = torch.tensor(run.trace.tokens[r])
+            mask[k, : run.trace.lengths[r]] = 1
+        handle = norm.register_forward_hook(_replace_rows(inputs, batch.requests, run.trace.lengths))
+        try:
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        finally:
+            handle.remove()
+        for k, r in enumerate(batch.requests):
+            out[r] = logits[k, : run.trace.lengths[r]].float().cpu()
+    return out
 
 
 def _replace_rows(rows: list[torch.Tensor], requests: list[int], lengths: list[int]):

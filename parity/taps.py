@@ -5,20 +5,26 @@ reference (transformers) decides the tap set: every module whose name matches on
 The zoo's modules carry the checkpoint's names, so the same name finds the same module there.
 
 Roles, in the order they usually fire inside one decoder layer:
-    embed          ...embed_tokens                       [tokens, H]
-    norm           ...layers.{i}.<something>layernorm    [tokens, H]   (input/post-attention/pre/post-ff)
-    attn           ...layers.{i}.self_attn               [tokens, H]   (output after o_proj)
+    embed          ...embed_tokens | embed_in | wte | wpe [tokens, H]   (token / GPT-2 position embeddings)
+    embed          EMBEDDED: the first layer's input     [tokens, H]   (the pseudo-tap "embedded", below)
+    norm           ...layers.{i}.<something>layernorm    [tokens, H]   (input/post-attention/pre/post-ff, ln_1, norm)
+    attn           ...layers.{i}.self_attn | attention   [tokens, H]   (output after o_proj)
     mixer_in       ...layers.{i}.(mixer|mamba).in_proj   [tokens, P]   SSM mixer: the input projection
     mixer_conv     ...layers.{i}.mamba.x_proj            [tokens, r+2N] Mamba1: dt/B/C from the conv's output
     mixer_norm     ...layers.{i}.(mixer|mamba).norm      [tokens, I]   Mamba2: the gated norm of the scan's output
     mixer          ...layers.{i}.(mixer|mamba)           [tokens, H]   the whole SSM mixer (after out_proj)
     router         ...layers.{i}.mlp.gate | .router     [tokens, E]   router logits (MoE only)
-    mlp            ...layers.{i}.mlp | block_sparse_moe  [tokens, H]   (MLP or whole MoE block)
+    mlp            ...layers.{i}.mlp | block_sparse_moe | feed_forward  [tokens, H]   (MLP or whole MoE block)
     shared_expert  ...layers.{i}.mlp.shared_expert(s)    [tokens, H]
     layer          ...layers.{i}                         [tokens, H]   the decoder layer's output
-    final_norm     ...norm (outside the layers)          [tokens, H]
+    final_norm     ...norm | norm_f | ln_f | final_layernorm (outside the layers)  [tokens, H]
     logits         the pseudo-tap LOGITS: the model's logits (not a module; computed by each side)
 
+A decoder layer is `layers.{i}` (GPT-2: `h.{i}`). Every registered architecture has taps for its embedding, each
+layer's attention or mixer and MLP, its final norm and the logits (tests/test_parity_taps.py). EMBEDDED is not a
+module's output: it is the hidden state the first decoder layer is called with (a pre-hook on both sides), so an
+embedding multiplier applied outside the embedding module (Granite) or GPT-2's position embeddings are checked
+before layer 0, and localisation replays layer 0 on the zoo's value of it.
 Order is the order the hooks fire (recorded per run), never sorted names.
 
 Protocol for zoo plugins (how a model says what its tap outputs are when they differ from the reference):
@@ -57,35 +63,45 @@ from torch import nn
 
 LOGITS = "logits"
 SAMPLED = "sampled_logits"  # the logits rows the runtime itself sampled from (zoo side); reference: LOGITS
+# the hidden state the first decoder layer reads: the embedding with what the model adds before layer 0 (an
+# embedding multiplier or scale outside the embedding module, GPT-2's position embeddings), on both sides the
+# first decoder layer's input; it is that layer's input in localisation
+EMBEDDED = "embedded"
 
+LAYER = r"(?:layers|h)\.\d+"  # a decoder layer: `layers.{i}` (GPT-2: `h.{i}`)
 ROLES: tuple[tuple[str, re.Pattern], ...] = tuple(
     (role, re.compile(p))
     for role, p in (
-        ("embed", r"(^|\.)embed_tokens$"),
-        ("layer", r"(^|\.)layers\.\d+$"),
-        ("norm", r"(^|\.)layers\.\d+\.\w*(layernorm|layer_norm|_norm)$"),
-        ("attn", r"(^|\.)layers\.\d+\.self_attn$"),
+        # the token embedding (GPT-NeoX `embed_in`, GPT-2 `wte`, Mamba's `backbone.embeddings`) and GPT-2's learned
+        # position embedding `wpe`; what the first layer reads (their sum, a multiplier) is the pseudo-tap EMBEDDED
+        ("embed", r"(^|\.)(embed_tokens|embed_in|wte|wpe)$|^backbone\.embeddings$"),
+        ("layer", rf"(^|\.){LAYER}$"),
+        ("norm", rf"(^|\.){LAYER}\.(\w*(layernorm|layer_norm|_norm)|norm|ln_\d)$"),
+        ("attn", rf"(^|\.){LAYER}\.(self_attn|attention|attn)$"),
         # SSM mixers (Mamba2, Bamba: `mixer` / `mamba`): in_proj's output (gate | xBC | dt), Jamba's x_proj
         # (dt | B | C from the conv's output), the gated norm (its input is the scan's output), the whole mixer
-        ("mixer_in", r"(^|\.)layers\.\d+\.(mixer|mamba)\.in_proj$"),
-        ("mixer_conv", r"(^|\.)layers\.\d+\.mamba\.x_proj$"),
-        ("mixer_norm", r"(^|\.)layers\.\d+\.(mixer|mamba)\.norm$"),
-        ("mixer", r"(^|\.)layers\.\d+\.(mixer|mamba)$"),
-        ("mlp", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)$"),
-        ("router", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)$"),
-        ("shared_expert", r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.shared_experts?$"),
-        ("final_norm", r"^((?!layers\.).)*(^|\.)norm$"),
+        ("mixer_in", rf"(^|\.){LAYER}\.(mixer|mamba)\.in_proj$"),
+        ("mixer_conv", rf"(^|\.){LAYER}\.mamba\.x_proj$"),
+        ("mixer_norm", rf"(^|\.){LAYER}\.(mixer|mamba)\.norm$"),
+        ("mixer", rf"(^|\.){LAYER}\.(mixer|mamba)$"),
+        ("mlp", rf"(^|\.){LAYER}\.(mlp|block_sparse_moe|feed_forward)$"),
+        ("router", rf"(^|\.){LAYER}\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$"),
+        ("shared_expert", rf"(^|\.){LAYER}\.(mlp|block_sparse_moe|feed_forward)\.shared_experts?$"),
+        # the norm after the last layer (outside every layer): norm, Mamba's norm_f, GPT-2's ln_f, final_layernorm
+        ("final_norm", rf"^(?!.*(^|\.){LAYER}(\.|$))(.*\.)?(norm|norm_f|ln_f|final_layernorm|final_layer_norm)$"),
     )
 )
 # tensor parallelism: the roles whose output every rank holds whole (after a row-parallel all-reduce or the vocab
 # gather); the rest (a shared expert's partial sum, SSM mixers) are a rank's part only
 TP_REPLICATED_ROLES = ("embed", "norm", "attn", "mlp", "router", "layer", "final_norm")
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
 
 
 def role_of(name: str) -> str | None:
     if name in (LOGITS, SAMPLED):
         return "logits"
+    if name == EMBEDDED:
+        return "embed"
     for role, pattern in ROLES:
         if pattern.search(name):
             return role
@@ -100,7 +116,7 @@ def layer_of(name: str) -> int | None:
 
 def short(name: str) -> str:
     """A compact display name: `model.layers.3.self_attn` -> `L3.self_attn`."""
-    if name in (LOGITS, SAMPLED):
+    if name in (LOGITS, SAMPLED, EMBEDDED):
         return name
     m = LAYER_RE.search(name)
     if not m:
@@ -120,6 +136,27 @@ def reference_taps(model: nn.Module) -> dict[str, str]:
             continue  # a scalar gate (Qwen2-MoE's shared_expert_gate spelt differently), not a router
         taps[name] = role
     return taps
+
+
+def first_layer(names) -> str | None:
+    """The first decoder layer beside the token embedding (`model.layers.0`, GPT-2's `transformer.h.0`, not a
+    vision tower's): EMBEDDED is its input. `names`: the reference's tap names."""
+    names = set(names)
+    for embed in sorted(n for n in names if role_of(n) == "embed" and n != EMBEDDED):
+        parent = embed.rsplit(".", 1)[0] + "." if "." in embed else ""
+        for layer in (f"{parent}layers.0", f"{parent}h.0"):
+            if layer in names:
+                return layer
+    return None
+
+
+def input_taps(names: dict[str, str], wanted) -> dict[str, str]:
+    """{module: EMBEDDED} for the module of `names` (module -> reference tap) that joins the reference's first
+    layer, when EMBEDDED is wanted; else {}."""
+    if EMBEDDED not in wanted:
+        return {}
+    first = first_layer(wanted)
+    return {module: EMBEDDED for module, tap in names.items() if tap == first and first is not None}
 
 
 def _compile_map(mapping: dict[str, str | None]) -> list[tuple[re.Pattern, str | None]]:
@@ -150,6 +187,15 @@ def zoo_tap_names(model: nn.Module, config, wanted: set[str]) -> dict[str, str]:
                 raise ValueError(f"parity_taps: zoo modules {other!r} and {name!r} both map to tap {target!r}")
             joined[name] = target
     return joined
+
+
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The hidden states a decoder layer is called with: its first floating-point tensor argument (the zoo's
+    forward(positions, hidden_states, batch), transformers' forward(hidden_states, ...)), or `hidden_states=`."""
+    for x in args:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x
+    return kwargs.get("hidden_states")
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -207,15 +253,17 @@ class Capture:
             model(...)
         cap.steps[0].taps["model.layers.0"]
 
-    `names` maps module name -> tap name. `meta(args, kwargs) -> dict` runs before each root forward;
+    `names` maps module name -> tap name; `inputs` module name -> tap name for taps that are a module's input
+    (EMBEDDED: the first layer's hidden states). `meta(args, kwargs) -> dict` runs before each root forward;
     `keep_layer_calls` keeps the (args, kwargs) of each "layer" tap (for replaying a reference layer).
     `root_output`: keep the root's output (True), not (False), or keep `root_output(output)`, computed
     inside the forward call (before a runtime may reuse the output's memory).
     """
 
-    def __init__(self, root: nn.Module, names: dict[str, str], *, meta: Callable[[tuple, dict], dict] | None = None,
-                 keep_layer_calls: bool = False, root_output: bool | Callable[[Any], Any] = True):
-        self.root, self.names = root, names
+    def __init__(self, root: nn.Module, names: dict[str, str], *, inputs: dict[str, str] | None = None,
+                 meta: Callable[[tuple, dict], dict] | None = None, keep_layer_calls: bool = False,
+                 root_output: bool | Callable[[Any], Any] = True):
+        self.root, self.names, self.inputs = root, names, inputs or {}
         self.steps: list[Step] = []
         self.order: list[str] = []
         self._meta, self._keep_calls, self._root_output = meta, keep_layer_calls, root_output
@@ -223,12 +271,15 @@ class Capture:
 
     def __enter__(self) -> "Capture":
         modules = dict(self.root.named_modules())
-        missing = [m for m in self.names if m not in modules]
+        missing = [m for m in [*self.names, *self.inputs] if m not in modules]
         if missing:
             raise KeyError(f"taps not found among the modules of {type(self.root).__name__}: {missing}")
         self._handles.append(self.root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         if self._root_output:
             self._handles.append(self.root.register_forward_hook(self._root_post))
+        for module_name, tap in self.inputs.items():  # (before the module's own pre-hooks: its input, as called)
+            self._handles.append(modules[module_name].register_forward_pre_hook(self._input_hook(tap),
+                                                                                with_kwargs=True))
         for module_name, tap in self.names.items():
             module = modules[module_name]
             self._handles.append(module.register_forward_hook(self._hook(tap, module)))
@@ -251,22 +302,36 @@ class Capture:
             self.steps[-1].output = self._root_output(out) if callable(self._root_output) else out
         return None
 
+    def _record(self, tap: str, value: torch.Tensor):
+        if not self.steps:  # a tap ran outside a root forward (e.g. a replayed layer)
+            self.steps.append(Step())
+        step = self.steps[-1]
+        if tap in step.taps:
+            raise RuntimeError(f"tap {tap} fired twice in one forward: is the module shared?")
+        step.taps[tap] = value.detach().float().cpu().clone()
+        if tap not in self.order:
+            self.order.append(tap)
+        return step
+
+    def _input_hook(self, tap: str):
+        def hook(mod, args, kwargs):
+            value = layer_input(args, kwargs)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"tap {tap}: {type(mod).__name__} was called without a floating-point tensor")
+            self._record(tap, value)
+            return None
+
+        return hook
+
     def _hook(self, tap: str, module: nn.Module):
         role = role_of(tap)
 
         def hook(mod, args, out):
-            if not self.steps:  # a tap ran outside a root forward (e.g. a replayed layer)
-                self.steps.append(Step())
-            step = self.steps[-1]
-            if tap in step.taps:
-                raise RuntimeError(f"tap {tap} fired twice in one forward: is the module shared?")
-            step.taps[tap] = tap_value(module, out, tap).detach().float().cpu().clone()
+            step = self._record(tap, tap_value(module, out, tap))
             if role == "router":
                 experts = chosen_experts(out)
                 if experts is not None:
                     step.experts[tap] = experts.detach().cpu().long().clone()
-            if tap not in self.order:
-                self.order.append(tap)
             return None
 
         return hook

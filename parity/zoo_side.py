@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.align import Trace, from_steps
-from parity.taps import LOGITS, SAMPLED, Capture, zoo_tap_names
+from parity.taps import LOGITS, SAMPLED, Capture, input_taps, zoo_tap_names
 
 
 @dataclass
@@ -223,7 +223,8 @@ class ZooSide:
         def logits_of_every_row(hidden):  # [T, H] -> [T, V], the zoo's own head on every row
             return self.model.compute_logits(hidden).detach().float().cpu()
 
-        with Capture(self.model, names, meta=meta, root_output=logits_of_every_row) as cap:
+        with Capture(self.model, names, inputs=input_taps(names, wanted), meta=meta,
+                     root_output=logits_of_every_row) as cap:
             requests = _drive(engine, prompts, max_tokens, waves, images)
         if len(cap.steps) != len(segments):
             raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(segments)} prepared steps")

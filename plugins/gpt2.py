@@ -68,6 +68,12 @@ class GPT2Model(GPT2Norms, LlamaModel):
 
 class GPT2LMHeadModel(LlamaForCausalLM):
     model_class = GPT2Model
+    parity_taps = {"model.embed_tokens": "transformer.wte", "model.embed_positions": "transformer.wpe",
+                   "model.norm": "transformer.ln_f", "model.layers.{i}": "transformer.h.{i}",
+                   "model.layers.{i}.input_layernorm": "transformer.h.{i}.ln_1",
+                   "model.layers.{i}.self_attn": "transformer.h.{i}.attn",
+                   "model.layers.{i}.post_attention_layernorm": "transformer.h.{i}.ln_2",
+                   "model.layers.{i}.mlp": "transformer.h.{i}.mlp"}  # the reference's names, for parity
     learned_positions = True  # diff with Llama: no position past max_position_embeddings (a longer context: refused)
 
 

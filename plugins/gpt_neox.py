@@ -61,8 +61,10 @@ class GPTNeoXModel(GPTNeoXNorms, LlamaModel):
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     model_class = GPTNeoXModel
     # the reference's module names, for parity (the zoo's are Llama's)
-    parity_taps = {f"model.layers.{{i}}{s}": f"gpt_neox.layers.{{i}}{s}"
-                   for s in ("", ".input_layernorm", ".post_attention_layernorm", ".mlp")}
+    parity_taps = {"model.embed_tokens": "gpt_neox.embed_in", "model.norm": "gpt_neox.final_layer_norm",
+                   "model.layers.{i}.self_attn": "gpt_neox.layers.{i}.attention",
+                   **{f"model.layers.{{i}}{s}": f"gpt_neox.layers.{{i}}{s}"
+                      for s in ("", ".input_layernorm", ".post_attention_layernorm", ".mlp")}}
 
     def __init__(self, config, *, prefix: str = ""):
         super().__init__(config, prefix=prefix)

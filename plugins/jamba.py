@@ -54,6 +54,7 @@ class JambaModel(HybridModel):
 
 class JambaForCausalLM(HybridForCausalLM):
     model_class = JambaModel
+    parity_taps = {"model.layers.{i}.feed_forward.gate": "model.layers.{i}.feed_forward.router"}  # for parity
 
 
 def validate(config) -> None:

@@ -47,6 +47,7 @@ class PhiModel(PhiNorms, LlamaModel):
 
 class PhiForCausalLM(LlamaForCausalLM):
     model_class = PhiModel
+    parity_taps = {"model.norm": "model.final_layernorm"}  # the reference's name, for parity
 
     def make_head(self, config) -> LMHead:
         return LMHead(config.vocab_size, config.hidden_size, bias=True)  # diff with Llama: a biased head

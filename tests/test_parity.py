@@ -16,7 +16,7 @@ from parity.align import from_padded, from_steps
 from parity.compare import compare, first_divergence, verdict
 from parity.harness import run_parity
 from parity.reference import load_reference, run_reference
-from parity.taps import LOGITS, SAMPLED
+from parity.taps import EMBEDDED, LOGITS, SAMPLED
 from parity.tolerances import BASE
 from parity.tiny import save_tiny_checkpoint, shrink_dict
 from registry import get_registry
@@ -136,7 +136,7 @@ def test_padded_reference_equals_one_prompt_at_a_time(llama):
 
 def test_taps_follow_execution_order(llama):
     order = run_reference(load_reference(llama), [[1, 2, 3]]).trace.order
-    assert order[:6] == ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn",
+    assert order[:7] == ["model.embed_tokens", EMBEDDED, "model.layers.0.input_layernorm", "model.layers.0.self_attn",
                          "model.layers.0.post_attention_layernorm", "model.layers.0.mlp", "model.layers.0"]
     assert order[-2:] == ["model.norm", LOGITS] and order != sorted(order)
 
@@ -177,7 +177,7 @@ def test_cli_passes_and_writes_json(llama, tmp_path, capsys):
     assert doc["prompts"] == json.loads(prompts.read_text()) and doc["meta"]["seed"] == 0
     assert list(doc["scenarios"]) == list(SCENARIOS)
     prefill = doc["scenarios"]["prefill"]
-    assert [t["name"] for t in prefill["taps"]][:2] == ["model.embed_tokens", "model.layers.0.input_layernorm"]
+    assert [t["name"] for t in prefill["taps"]][:3] == ["model.embed_tokens", EMBEDDED, "model.layers.0.input_layernorm"]
     assert [len(r) for r in prefill["taps"][0]["rel_l2"]] == [9, 2, 5]
     assert prefill["logits"]["logits"]["summary"]["kl_max"] <= 1e-5
     assert "PASS" in capsys.readouterr().out
@@ -332,4 +332,4 @@ def test_smollm2_gguf_matches_transformers(tmp_path):
     assert result.architecture == "LlamaForCausalLM" and result.prompt_texts  # prompts went through its tokenizer
     for name, s in result.scenarios.items():
         assert s.passed, f"SmolLM2 {name}: {s.failures} first divergence {s.first_divergence}"
-    assert len(result.scenarios["prefill"].comparison.taps) == 1 + 30 * 5 + 1  # embed, 30 layers x 5, final norm
+    assert len(result.scenarios["prefill"].comparison.taps) == 2 + 30 * 5 + 1  # embed, EMBEDDED, 30 layers x 5, final norm
