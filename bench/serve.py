@@ -10,6 +10,9 @@ output tok/s, time to first token and inter-token latency percentiles (p50 / p90
 server: the arrival of the SSE chunk), and the server's overhead as a ratio of throughputs (offline / server).
 The client runs on the same machine as the server (its JSON parsing shares the cores). Greedy texts are
 compared; every mismatch is reported. --quick: levels 1,2, 8 new tokens, a smoke test of the script.
+Structured outputs: at each level the server's requests again held to a JSON schema (vLLM's guided_json: an
+array of strings longer than N tokens, so every request runs its N tokens constrained), and the cost per token of
+the constraint as a ratio of throughputs (unconstrained / structured; goal <= 1.1x).
 """
 from __future__ import annotations
 
@@ -65,7 +68,12 @@ def start_server(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-async def serve_level(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int):
+SCHEMA = {"type": "object", "properties": {"facts": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                                                      "minItems": 12, "maxItems": 12}}, "required": ["facts"]}
+
+
+async def serve_level(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int,
+                      schema: dict | None = None):
     import openai
 
     per_client = [prompts[i::clients] for i in range(clients)]
@@ -78,7 +86,8 @@ async def serve_level(url: str, model: str, prompts: list[list[int]], clients: i
             last, text = None, ""
             stream = await aclient.completions.create(
                 model=model, prompt=p, max_tokens=new_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, **({"guided_json": schema} if schema else {})})
             async for chunk in stream:
                 now = time.perf_counter()
                 if chunk.choices and chunk.choices[0].text:
@@ -130,7 +139,7 @@ def main() -> int:
         warm = prompts_for(llm.tokenizer, 2)
         offline_level(llm, warm, 2, 4)
         asyncio.run(serve_level(url, model, warm, 2, 4))
-        rows, mismatches = [], 0
+        rows, structured, mismatches = [], [], 0
         for c in levels:
             prompts = prompts_for(llm.tokenizer, c * args.requests_per_client)
             s_rate, s_ttft, s_itl, s_texts = asyncio.run(serve_level(url, model, prompts, c, new_tokens))
@@ -139,12 +148,19 @@ def main() -> int:
             ms = lambda v: "/".join(f"{pct(v, q) * 1000:.0f}" for q in (0.5, 0.9, 0.99))  # noqa: E731
             rows.append([c, len(prompts), f"{s_rate:.1f}", f"{o_rate:.1f}", f"{o_rate / s_rate:.2f}x",
                          ms(s_ttft), ms(o_ttft), ms(s_itl), ms(o_itl)])
+            j_rate, _, j_itl, j_texts = asyncio.run(serve_level(url, model, prompts, c, new_tokens, SCHEMA))
+            if not all(t.startswith('{"facts"') for t in j_texts.values()):
+                raise SystemExit(f"a structured reply is not the schema's JSON: {list(j_texts.values())!r}")
+            structured.append([c, f"{s_rate:.1f}", f"{j_rate:.1f}", f"{s_rate / j_rate:.2f}x", ms(s_itl), ms(j_itl)])
         print(f"zoo serve vs LLM.stream, {model}, {new_tokens} new tokens per request, greedy; "
               f"load average {os.getloadavg()[0]:.1f}")
         print_table(["clients", "requests", "server tok/s", "offline tok/s", "overhead (offline/server)",
                      "server TTFT ms p50/90/99", "offline TTFT ms", "server ITL ms p50/90/99", "offline ITL ms"],
                     rows)
         print(f"greedy texts: {mismatches} mismatches between the server and LLM.stream")
+        print("structured outputs (guided_json, xgrammar), the same requests through the server:")
+        print_table(["clients", "unconstrained tok/s", "structured tok/s", "cost per token (goal <= 1.1x)",
+                     "unconstrained ITL ms p50/90/99", "structured ITL ms"], structured)
         return 1 if mismatches else 0
     finally:
         proc.terminate()

@@ -5,6 +5,7 @@ get every token; a client that disconnects has its request aborted and its KV bl
 a bad request is a 400 naming the field, a missing API key a 401, and the server keeps serving after both.
 """
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
@@ -30,13 +31,14 @@ def model_dir(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("serve"), max_position_embeddings=256, initializer_range=0.2)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    """The base URL of a `zoo serve` process (port 0: the kernel picks a free one, the server prints it)."""
+@contextlib.contextmanager
+def serving(model_dir, *args):
+    """The base URL of a `zoo serve` process on `model_dir` (port 0: the kernel picks a free one, the server prints
+    it), stopped after the block; `args`: more flags."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-                             "--port", "0", "--api-key", KEY, "--served-model-name", NAME, "--max-num-seqs", "64"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--port", "0", "--api-key", KEY, "--served-model-name", NAME, "--max-num-seqs", "64",
+                             *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url, deadline, seen = None, time.monotonic() + 120, []
         while url is None and time.monotonic() < deadline:
@@ -62,6 +64,12 @@ def server(model_dir):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with serving(model_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

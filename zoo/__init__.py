@@ -5,6 +5,8 @@ _LAZY = {
     "LLMEngine": "zoo.runtime.engine",
     "RequestOutput": "zoo.runtime.engine",
     "SamplingParams": "zoo.runtime.sampling_params",
+    "StructuredOutputsParams": "zoo.runtime.structured",
+    "GuidedDecodingParams": "zoo.runtime.structured",
 }
 __all__ = list(_LAZY)
 

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
     parser.add_argument("--stop", action="append", metavar="TEXT", help="stop the reply at this text (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    parser.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid against this JSON schema "
+                        "(structured outputs, compiled against the tokenizer before any weight is read)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of "
                                                                 "the tokenizer's")
@@ -120,12 +122,21 @@ def run(args) -> int:
     if args.tensor_parallel_size is None:
         args.tensor_parallel_size = env[1] if env is not None else 1
 
+    structured = None
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                structured = {"json": f.read()}
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"--json-schema {args.json_schema}: {getattr(e, 'strerror', None) or e}", 2)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, stop=args.stop or [],
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, structured_outputs=structured)
     except ValueError as e:
+        if structured is not None and "structured_outputs" in str(e):
+            return _fail(f"--json-schema {args.json_schema}: {str(e).split(': ', 1)[-1]}", 2)
         return _fail(f"bad option: {e}", 2)
     if args.max_model_len is not None and args.max_model_len < 2:
         return _fail(f"bad option: --max-model-len={args.max_model_len}: must be >= 2", 2)
@@ -151,7 +162,7 @@ def run(args) -> int:
     if prompt is not None and not prompt.strip():
         return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
     llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                check=lambda llm: _before_weights(llm, args, template, prompt), device=args.device,
+                check=lambda llm: _before_weights(llm, args, template, prompt, params), device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization)
     if isinstance(llm, int):
         return llm
@@ -166,10 +177,11 @@ def run(args) -> int:
         llm.close()
 
 
-def _before_weights(llm, args, template: str | None, prompt: str | None) -> None:
+def _before_weights(llm, args, template: str | None, prompt: str | None, params=None) -> None:
     """What zoo run needs that no weight decides, checked before the weights are read: a tokenizer, a chat
-    template for --chat, a model that takes images for --image, a prompt the template renders and the model can
-    embed every token of (another model's --tokenizer may give ids past its vocabulary)."""
+    template for --chat, a model that takes images for --image, a --json-schema that compiles against the
+    tokenizer, a prompt the template renders and the model can embed every token of (another model's --tokenizer
+    may give ids past its vocabulary)."""
     tok = llm.tokenizer
     if tok is None:
         raise Refused(f"{llm.files.name} has no tokenizer files; zoo run needs one (or give --tokenizer)")
@@ -182,6 +194,14 @@ def _before_weights(llm, args, template: str | None, prompt: str | None) -> None
     if args.image and prompt is None:
         raise Refused("--image needs --prompt (or a prompt on stdin)")
     _check_max_model_len(llm, args)
+    if params is not None and params.structured_outputs is not None:
+        from zoo.runtime.engine import vocab_size
+        from zoo.runtime.structured import Grammars
+
+        try:
+            Grammars(tok, vocab_size(llm.config)).compile(params.structured_outputs)
+        except ValueError as e:
+            raise Refused(f"--json-schema {args.json_schema}: {str(e).split(': ', 1)[-1]}") from None
     if prompt is not None and not args.image:  # (the image tokens are the model's: that prompt is encoded after)
         _encode(llm, prompt, *_conversation(llm, args))
 

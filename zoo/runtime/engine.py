@@ -205,6 +205,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
         self.vocab_size = vocab_size(config)  # the logits' width: token ids at or past it are refused on arrival
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammars = None  # structured outputs' compiler (zoo.runtime.structured.Grammars), built on first use
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -240,12 +241,31 @@ class LLMEngine:
             req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_matcher(params.structured_outputs, request_id)
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
                 min_tokens=params.min_tokens, include_stop=params.include_stop_str_in_output)
         return request_id
+
+    def grammar_matcher(self, spec, request_id: str):
+        """A new matcher of `spec` (StructuredOutputsParams) over this engine's vocabulary (compiled once)."""
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: SamplingParams.structured_outputs needs a tokenizer")
+        return self.grammars_for(spec).matcher(spec)
+
+    def grammars_for(self, spec):
+        """The engine's compiler with `spec` compiled (a ValueError naming the field when it does not compile)."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer")
+        if self.grammars is None:
+            from zoo.runtime.structured import Grammars
+
+            self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars.compile(spec)
+        return self.grammars
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

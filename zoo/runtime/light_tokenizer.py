@@ -69,6 +69,10 @@ class LightTokenizer:
             self._full.chat_template = self._chat_template
         return self._full
 
+    def transformers_tokenizer(self):
+        """transformers' own tokenizer of the entry (built on first use): for code that reads its vocabulary."""
+        return self._transformers()
+
     def __getattr__(self, name: str):  # (only for what this class does not define)
         if name.startswith("__") or name in ("_full", "_directory", "_class", "_tokenizer", "_chat_template"):
             raise AttributeError(name)

@@ -62,6 +62,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = \
             [None] if sampling_params.prompt_logprobs is not None else None
         self.bad_words_token_ids: list[list[int]] = []  # the engine tokenises SamplingParams.bad_words
+        self.grammar = None  # structured outputs: its zoo.runtime.structured.Matcher, fed every output token
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
@@ -95,6 +96,8 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

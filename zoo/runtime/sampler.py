@@ -1,4 +1,4 @@
-"""The sampler: allowed tokens, logit bias and bad words, penalties, temperature, top-k, top-p, min-p, then one
+"""The sampler: structured outputs' grammar masks, allowed tokens, logit bias and bad words, penalties, temperature, top-k, top-p, min-p, then one
 token per row; logprobs.
 
 Shape legend:  N = rows sampled this step (one per request that samples)   V = vocabulary
@@ -22,6 +22,7 @@ import torch
 
 from zoo import kernels
 from zoo.runtime.request import Request
+from zoo.runtime.structured import apply_grammars
 
 
 @dataclass
@@ -115,6 +116,8 @@ class Sampler:
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The logits the draw is made from ([N, V] float32); greedy rows get only the penalties."""
         logits = logits if logits.dtype is torch.float32 else logits.float()
+        if any(r.grammar is not None for r in reqs):  # structured outputs: only what the grammar allows, first
+            logits = apply_grammars(logits, [r.grammar for r in reqs])
         params = [r.sampling_params for r in reqs]
         early = [i for i, (r, p) in enumerate(zip(reqs, params))
                  if r.num_output_tokens < p.min_tokens and r.stop_token_ids]

@@ -39,8 +39,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token (the first: None), its raw logprob and the top-n ones
     bad_words: list[str] | None = None  # words that cannot be generated (each word's last token is banned after
     # the tokens before it; tokenised with and without a leading space, as vLLM does)
+    # the output held to a JSON schema, JSON, a regex, a choice or a grammar (zoo/runtime/structured.py); a dict
+    # is taken as StructuredOutputsParams(**dict); guided_decoding is vLLM's older name for it
+    structured_outputs: "StructuredOutputsParams | dict | None" = None
+    guided_decoding: "StructuredOutputsParams | dict | None" = None
 
     def __post_init__(self):
+        self._structured()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
@@ -91,6 +96,23 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    def _structured(self) -> None:
+        from zoo.runtime.structured import StructuredOutputsParams
+
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("SamplingParams.guided_decoding: give structured_outputs or guided_decoding, "
+                                 "not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        spec = self.structured_outputs
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs={spec!r}: unknown field {unknown[0]!r}")
+            self.structured_outputs = StructuredOutputsParams(**spec)
+        elif spec is not None and not isinstance(spec, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams.structured_outputs={spec!r}: expected a StructuredOutputsParams")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids and logprob counts a model with `vocab_size` logits cannot serve (at add_request)."""

@@ -185,6 +185,9 @@ class Scheduler:
         p = req.sampling_params
         if token in req.stop_token_ids and req.num_output_tokens > p.min_tokens:
             return RequestStatus.FINISHED_STOPPED, token
+        if req.grammar is not None and (req.grammar.done or req.grammar.failed):  # complete: nothing may follow
+            return (RequestStatus.FINISHED_ERROR, "grammar") if req.grammar.failed else \
+                (RequestStatus.FINISHED_STOPPED, token)
         if req.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         if self.max_model_len is not None and req.num_tokens >= self.max_model_len:

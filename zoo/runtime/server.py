@@ -39,6 +39,10 @@ UNSUPPORTED = {  # field -> the value that is fine to send (anything else is ref
     "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
 }
 MAX_N = 16
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
+# structured outputs (zoo/runtime/structured.py), as vLLM takes them beside OpenAI's response_format:
+# body field -> the StructuredOutputsParams field it sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -111,12 +115,56 @@ class OpenAIServer:
                 given, bool) else logprobs if given is None else given
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
             raise bad("stop: at most 16 stop strings", "stop")
+        kwargs["structured_outputs"] = self.structured(body)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as e:
             raise bad(str(e), _param_of(str(e), {"max_tokens": max_tokens_field, "logprobs": "logprobs"})) from None
         except TypeError as e:
             raise bad(str(e)) from None
+
+    def structured(self, body: dict):
+        """The request's StructuredOutputsParams (compiled here, so a bad schema is a 400 naming its field), from
+        OpenAI's response_format (json_object, json_schema), vLLM's guided_json / guided_regex / guided_choice /
+        guided_grammar or its structured_outputs object; None without any. Two of them is a 400."""
+        from zoo.runtime.structured import StructuredOutputsParams
+
+        given = [f for f in ("response_format", *GUIDED, "structured_outputs") if body.get(f) is not None]
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                                                      "json_schema")):
+            raise bad("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}",
+                      "response_format")
+        if fmt is not None and fmt["type"] == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise bad(f"{given[0]} and {given[1]}: give one way to constrain the output", given[1])
+        if not given:
+            return None
+        field = given[0]
+        try:
+            if field == "response_format" and fmt["type"] == "json_object":
+                spec = StructuredOutputsParams(json_object=True)
+            elif field == "response_format":
+                inner = fmt.get("json_schema")
+                schema = inner.get("schema") if isinstance(inner, dict) else None
+                if schema is None:
+                    raise ValueError("response_format.json_schema.schema: a JSON schema is required")
+                spec = StructuredOutputsParams(json=schema)
+            elif field == "structured_outputs":
+                so = body[field]
+                if not isinstance(so, dict):
+                    raise ValueError("structured_outputs must be an object, e.g. {\"json\": SCHEMA}")
+                unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+                if unknown:
+                    raise ValueError(f"structured_outputs.{unknown[0]}: unknown field")
+                spec = StructuredOutputsParams(**so)
+            else:
+                spec = StructuredOutputsParams(**{GUIDED[field]: body[field]})
+            self.engine.grammars_for(spec)
+        except (ValueError, TypeError) as e:
+            raise bad(f"{field}: {str(e).removeprefix('SamplingParams.')}", field) from None
+        return spec
 
     def n_of(self, body: dict) -> int:
         n = body.get("n", 1)
@@ -156,6 +204,8 @@ class OpenAIServer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+            if m["role"] not in ROLES:
+                raise bad(f"messages[{i}].role={m['role']!r}: must be one of {', '.join(ROLES)}", "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text, images
                 parts = []
