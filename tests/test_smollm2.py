@@ -21,7 +21,7 @@ INT8 = {8: {"top1": 0.95, "kl_mean": 0.01, "kl_max": 0.05}, 16: {"top1": 0.99, "
 def llm():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # a parity test: on a shared machine extra threads mostly wait for each other
-    yield LLM()
+    yield LLM(dtype="float32")  # the GGUF dequantized (the default, as zoo run, keeps its blocks quantized)
     torch.set_num_threads(n)
 
 

@@ -232,3 +232,30 @@ def test_zoo_run_json_schema(model_dir, tmp_path, capsys):
     assert "loading weights" not in err, err  # refused before any weight is read
     assert main(["run", str(model_dir), "--prompt", "x", "--json-schema", str(tmp_path / "none.json")]) == 2
     assert "none.json: No such file or directory" in capsys.readouterr().err
+
+
+def test_serve_tokenize_detokenize_version(server, llm):
+    """vLLM's /tokenize (a prompt, or a chat through the template), /detokenize and /version."""
+    import urllib.request
+
+    from test_serve import KEY
+
+    def post(route, body):
+        req = urllib.request.Request(server + route, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, got = post("/tokenize", {"prompt": "hi {x}"})
+    assert status == 200 and got["tokens"] == llm.tokenizer.encode("hi {x}") and got["count"] == len(got["tokens"])
+    status, chat = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and llm.tokenizer.decode(chat["tokens"]) == "<|user|>hi\n<|assistant|>", chat
+    assert post("/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": "hi {x}"})
+    status, err = post("/detokenize", {"tokens": [5, 100000]})
+    assert status == 400 and err["error"]["param"] == "tokens" and "100000" in err["error"]["message"]
+    with urllib.request.urlopen(server + "/version", timeout=10) as r:
+        assert json.loads(r.read())["version"]
+

@@ -193,3 +193,13 @@ def test_bad_words_tokenised_with_and_without_a_leading_space():
     assert bad_words_token_ids(tok, ["hello", "  hello"], None) == [bare, spaced, bare, spaced]
     with pytest.raises(ValueError, match="outside the vocabulary of 10 tokens"):
         bad_words_token_ids(tok, ["hello"], 10)
+
+
+def test_llm_keeps_a_gguf_quantized_by_default_as_zoo_run_does():
+    """LLM("x.gguf") runs the file's blocks quantized, as zoo run (and vLLM) do; a dtype given dequantizes it."""
+    from zoo.default_model import default_model_path
+
+    path = str(default_model_path())
+    assert LLM(path, num_blocks=8).quantization == "gguf"
+    assert LLM(path, dtype="float32", num_blocks=8).quantization is None
+    assert LLM(path, quantization=None, num_blocks=8).quantization is None

@@ -366,8 +366,8 @@ def _load(args, command: str = "zoo run", **engine):
     try:
         if not _may_download(args.model):  # (huggingface_hub draws its own progress bars: no spinner over them)
             progress("starting")
-        llm = LLM(args.model, dtype=args.dtype or "float32", progress=progress, tokenizer=args.tokenizer,
-                  revision=args.revision, quantization="auto" if args.dtype is None else None, **engine)
+        llm = LLM(args.model, dtype=args.dtype, progress=progress, tokenizer=args.tokenizer,  # (a GGUF without
+                  revision=args.revision, **engine)                                      # --dtype: kept quantized)
     except (DefaultModelMissing, ModelNotFound, ConfigError, UnsupportedArchitecture, RegistryError, OSError,
             TensorParallelError, Refused, ValueError) as e:  # (ValueError: an option refused, e.g. no KV room)
         progress.done("failed")

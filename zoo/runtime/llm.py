@@ -60,23 +60,24 @@ def check_max_model_len(max_model_len: int | None, spec, config) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype="float32", device="cpu", num_blocks: int | None = None,
+    def __init__(self, model: str | None = None, *, dtype=None, device="cpu", num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
                  tensor_parallel_size: int = 1, tokenizer: str | None = None, revision: str | None = None,
                  check: Callable[["LLM"], None] | None = None, gpu_memory_utilization: float = 0.9,
-                 quantization: str | None = None):
+                 quantization: str | None = "auto"):
         """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
         the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
         the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
         `check(self)` (self.files, self.config, self.spec, self.tokenizer set), which may raise to stop; then
         max_model_len against the positions a model with learned positions has (check_max_model_len).
         `quantization="gguf"` (vLLM's name for it): a GGUF file's block-quantised weights stay quantised and run on
-        the block kernels (the CPU, float32 activations); None dequantises them to `dtype`; "auto" (zoo run's
-        default): "gguf" for a GGUF file run in float32 on the CPU by one process whose block types all have
-        kernels, else None (a llama.cpp Q4_K_M file may hold Q5_0 tensors: it is dequantised, and `progress`
-        says so)."""
+        the block kernels (the CPU, float32 activations); None dequantises them to `dtype`; "auto" (the default, as
+        `zoo run` and vLLM detect a GGUF's quantization): "gguf" for a GGUF file given no `dtype`, run on the CPU by
+        one process whose block types all have kernels, else None (a llama.cpp Q4_K_M file may hold Q5_0 tensors:
+        it is dequantised, and `progress` says so). `dtype` None: float32 (a GGUF kept quantized: float32
+        activations); a dtype given dequantizes a GGUF to it, as `zoo run --dtype` does."""
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
@@ -88,14 +89,15 @@ class LLM:
 
             env = launched()
             if env is not None and env[0] > 0:  # torchrun: this rank serves rank 0's steps, then the process ends
-                raise SystemExit(run_worker(resolve_model(model, revision=revision).path, dtype=_dtype(dtype)))
+                raise SystemExit(run_worker(resolve_model(model, revision=revision).path,
+                                            dtype=_dtype(dtype or "float32")))
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
         source = None  # (auto: the GGUF source opened to see its block types, handed to build_model)
         if quantization == "auto":
             quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and device.type == "cpu"
-                                      and _dtype(dtype) is torch.float32) else None
+                                      and dtype is None) else None
             if quantization == "gguf":
                 source, kinds = open_quantized(self.files.path)
                 if kinds:
@@ -103,6 +105,7 @@ class LLM:
                         f"for: dequantized to float32")
                     source.close()
                     source, quantization = None, None
+        dtype = "float32" if dtype is None else dtype
         if quantization == "gguf" and not self.files.is_gguf:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks; {self.files.name} is not a GGUF file")
         if quantization == "gguf" and (tensor_parallel_size != 1 or _dtype(dtype) is not torch.float32

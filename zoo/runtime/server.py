@@ -368,6 +368,44 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "zoo", "max_model_len": server.engine.max_model_len}]}
 
+    @app.get("/version")
+    async def version():
+        import importlib.metadata
+
+        return {"version": importlib.metadata.version("zoo")}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": text, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt":
+        true} -> {"tokens", "count", "max_model_len"} (the chat rendered by the model's template)."""
+        body = await json_body(request)
+        if server.tokenizer is None:
+            raise bad(f"{server.model_name} has no tokenizer")
+        if "messages" in body:
+            ids = (await asyncio.to_thread(server.chat_prompt, body))[0]
+        elif isinstance(body.get("prompt"), str):
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise bad(f"add_special_tokens={special!r}: must be true or false", "add_special_tokens")
+            ids = server.tokenizer.encode(body["prompt"], add_special_tokens=special)
+        else:
+            raise bad("give prompt (a string) or messages", "prompt")
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": server.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: {"tokens": [ids]} -> {"prompt": text}; an id outside the vocabulary is a 400."""
+        body = await json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad("tokens must be a list of token ids", "tokens")
+        if server.tokenizer is None:
+            raise bad(f"{server.model_name} has no tokenizer")
+        out = [t for t in tokens if not 0 <= t < (server.engine.vocab_size or len(server.tokenizer))]
+        if out:
+            raise bad(f"tokens: {out[0]} is outside the vocabulary of {server.engine.vocab_size} tokens", "tokens")
+        return {"prompt": server.tokenizer.decode(tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await json_body(request)
