@@ -42,3 +42,27 @@ def test_inspect_broken_checkpoint_exits_1(tmp_path, capsys):
 def test_inspect_nothing_there_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert f"no weights in {tmp_path}" in capsys.readouterr().out
+
+
+def test_an_absent_shard_is_named_first(tmp_path, capsys):
+    """An interrupted download: the shards holding the last layer are gone. zoo inspect and zoo run name the absent
+    files first (the cause), then the layers the config claims and the checkpoint lacks."""
+    import json
+
+    from test_cli_run import save_word_tokenizer
+
+    path = save_word_tokenizer(save_tiny("LlamaForCausalLM", tmp_path / "m", max_shard_size="20KB",
+                                         num_hidden_layers=3))
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    gone = sorted({f for k, f in weight_map.items() if "layers.2." in k})
+    for f in gone:
+        (path / f).unlink()
+    assert main(["inspect", str(path)]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    first = text.index(gone[0])
+    assert f"not in {path} (an interrupted download?): {', '.join(gone)}" in text, text
+    assert first < text.index("layers 2-2 have no tensors"), text
+    assert main(["run", str(path), "--prompt", "w1 w2"]) == 1
+    err = capsys.readouterr().err
+    assert f"the index names are not in {path} (an interrupted download?): {gone[0]}" in err, err

@@ -107,15 +107,22 @@ def tensor_parallel_model(spec, config, size: int):
 def check_layers(config, source: loader.Source) -> None:
     """Refuse, before a model is built, a config that claims more layers than the checkpoint holds (a
     num_hidden_layers of 100000 would take minutes and gigabytes to build, then report a million missing
-    tensors): one LoadError naming the field and the layers the checkpoint has."""
+    tensors): one LoadError naming the field and the layers the checkpoint has; shards the index names that are
+    absent (an interrupted download: the likely cause) are named first."""
     n = getattr(config, "num_hidden_layers", None)
     held = {int(m[1]) for k in source.keys() if (m := LAYER_KEY.search(k))}
     if isinstance(n, int) and held and n > max(held) + 1:
         last = max(held)
-        raise loader.LoadError([loader.Problem(
-            "missing", f"model.layers.{last + 1}", None, None,
-            f"the config says num_hidden_layers={n} but {source.directory} holds layers 0-{last} only: "
-            f"layers {last + 1}-{n - 1} have no tensors")], "1 problem: the config does not fit the checkpoint")
+        layers = loader.Problem("missing", f"model.layers.{last + 1}", None, None,
+                                f"the config says num_hidden_layers={n} but {source.directory} holds layers 0-{last} "
+                                f"only: layers {last + 1}-{n - 1} have no tensors")
+        absent = [p for p in getattr(source, "problems", ()) if p.kind == "file" and p.file
+                  and not (source.directory / p.file).exists()]
+        if absent:
+            raise loader.LoadError(absent + [layers], f"{len(absent)} shard{'s' * (len(absent) > 1)} the index "
+                                   f"names {'are' if len(absent) > 1 else 'is'} not in {source.directory} (an "
+                                   f"interrupted download?): {', '.join(p.file for p in absent)}")
+        raise loader.LoadError([layers], "1 problem: the config does not fit the checkpoint")
 
 
 def exit_status(error: loader.LoadError) -> int:
