@@ -21,6 +21,7 @@ that disagree with it, and sampled rows that are not a request's last token, are
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import math
@@ -37,10 +38,10 @@ from parity.align import Trace
 from parity.bfloat16 import cache_rounded, reference_checkpoint
 from parity.compare import Comparison, compare, first_divergence, verdict
 from parity.constants import built_constants
-from parity.inputs import degenerate_message, plan_inputs, why_degenerate
+from parity.inputs import degenerate_message, length_dependent, plan_inputs, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
-from parity.taps import EMBEDDED, LOGITS, TP_REPLICATED_ROLES, first_layer, reference_taps, role_of, short
+from parity.taps import EMBEDDED, LOGITS, SAMPLED, TP_REPLICATED_ROLES, first_layer, reference_taps, role_of, short
 from parity.tolerances import tolerance_set, tolerances
 from parity.zoo_side import ZooSide
 
@@ -473,6 +474,25 @@ class _Run:
         if zoo.tp is not None:  # rank 0 holds only its part of a column-split activation: replicated points only
             self.wanted = {t for t in self.wanted if t == LOGITS or role_of(t) in TP_REPLICATED_ROLES}
         self._ref, self._packed, self._refs = None, None, {}
+        self.length_dependent = length_dependent(config)
+
+    def at_sampled_lengths(self, ref: Trace, got: Trace) -> Trace:
+        """`ref` with SAMPLED rows of its own where a row depends on the length of the forward (a rope whose
+        frequencies change with it: longrope, dynamic NTK): the row the zoo sampled from at position p is then
+        the reference's forward over tokens 0..p, what transformers' generate computed at that step (Phi-3's
+        short factors for a prompt whose decode later passes the switch), not its row of one forward over every
+        token. Elsewhere causality makes the two equal and `ref` is returned as it is."""
+        if not self.length_dependent or SAMPLED not in got.rows:
+            return ref
+        device = next(self.ref_model.parameters()).device
+        rows = [x.clone() for x in ref.rows[LOGITS]]
+        for r, sampled in enumerate(got.mask(SAMPLED)):
+            for p in torch.nonzero(sampled).flatten().tolist():
+                if p + 1 < ref.lengths[r]:
+                    with torch.no_grad():
+                        ids = torch.tensor([ref.tokens[r][: p + 1]], device=device)
+                        rows[r][p] = self.ref_model(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
+        return dataclasses.replace(ref, rows={**ref.rows, SAMPLED: rows})
 
     def ref_for(self, tokens):
         key = tuple(map(tuple, tokens))
@@ -554,9 +574,11 @@ class _Run:
         n = self.k["max_new_tokens"]
         run = self.zoo_run(max_tokens=n)
         decoded = [torch.arange(length) >= len(p) for length, p in zip(run.trace.lengths, self.prompts)]
+        ref = self.ref_for(run.trace.tokens)
+        ref = dataclasses.replace(ref, trace=self.at_sampled_lengths(ref.trace, run.trace))
         return self.judge("decode", f"{n - 1} greedy decode steps after prefill through the paged cache (block size "
                                     f"{self.k['block_size']}), reference run on the same tokens",
-                          self.ref_for(run.trace.tokens), run, only=decoded, info={"generated": run.outputs})
+                          ref, run, only=decoded, info={"generated": run.outputs})
 
     def chunked(self) -> ScenarioResult:
         budget = self.k["chunk_tokens"]
@@ -580,14 +602,15 @@ class _Run:
     def served(self) -> ScenarioResult:
         n = self.k["max_new_tokens"]
         run = self.zoo.serve(self.prompts, max_tokens=n, block_size=self.k["block_size"])
-        ref = self.ref_for(run.trace.tokens).trace
-        logits_only = Trace(order=[], lengths=ref.lengths, rows={LOGITS: ref.rows[LOGITS]}, have=ref.have,
-                            tokens=ref.tokens)
+        ref = self.at_sampled_lengths(self.ref_for(run.trace.tokens).trace, run.trace)
+        logits_only = Trace(order=[], lengths=ref.lengths, have=ref.have, tokens=ref.tokens,
+                            rows={k: ref.rows[k] for k in (LOGITS, SAMPLED) if k in ref.rows})
         cmp = compare(logits_only, run.trace)
         fails = run.findings + verdict(cmp, self.tol)
+        sampled = ref.rows.get(SAMPLED, ref.rows[LOGITS])
         for r, p in enumerate(self.prompts):  # each greedy token = the reference's argmax where it is decisive
             for j, token in enumerate(run.outputs.get(r, [])):
-                want = ref.rows[LOGITS][r][len(p) + j - 1] if len(p) + j - 1 < ref.lengths[r] else None
+                want = sampled[r][len(p) + j - 1] if len(p) + j - 1 < ref.lengths[r] else None
                 if want is None:
                     continue
                 top2 = want.double().topk(2).values

@@ -104,6 +104,12 @@ def length_features(config, zoo_model=None) -> list[tuple[str, int]]:
     return out
 
 
+def length_dependent(config) -> bool:
+    """Whether a row of the reference depends on how many tokens its forward holds, not only on the tokens up to
+    it: a rope type whose frequencies change with the length (longrope's two sets, dynamic NTK)."""
+    return any(feature.startswith("rope ") for feature, _ in length_features(config))
+
+
 def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, user_given: bool, config, tokenizer,
                 num_params: int, seed: int, zoo_model=None, max_tokens: int = MAX_TOKENS,
                 max_work: float = MAX_WORK) -> Inputs:

@@ -432,11 +432,20 @@ def _embedding_rows_as_stored(forward):
     return buggy
 
 
+def _no_long_recompute(recompute):
+    """A request whose decode crosses longrope's switch goes on from its cache (keys rotated short) instead of being
+    recomputed whole with the long factors (what transformers' Phi-3 generate does)."""
+    def buggy(self, req):
+        return None
+    return buggy
+
+
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
     "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
     "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "_forward", _fused_logits_scaled),
     "embedding_rows_as_stored": ("zoo.layers.embedding:VocabEmbedding", "forward", _embedding_rows_as_stored),
+    "no_long_recompute": ("zoo.runtime.scheduler:Scheduler", "_recompute_long", _no_long_recompute),
 }
 
 

@@ -92,6 +92,26 @@ def test_longrope_is_reached_past_its_original_length(tmp_path):
     assert max(len(p) for p in result.prompts) == 33
 
 
+def test_longrope_decode_crossing_the_switch_is_compared_like_with_like(tmp_path):
+    """Prompts of 14 and 15 tokens whose decode passes Phi-3's switch (16): the zoo sampled their first tokens with
+    the short factors, as transformers' generate did, so each sampled row is compared with the reference's forward
+    over the tokens it held then (one forward over every token rotates all of them long: KL 1.7 on a correct
+    model). A runtime that does not recompute the request with the long factors at the switch still fails."""
+    from tiny_configs import TINY_CONFIGS
+
+    path = save_tiny("Phi3ForCausalLM", tmp_path, **{**WIDE, **TINY_CONFIGS["Phi3ForCausalLM"],
+                                                     "original_max_position_embeddings": 16})
+    prompts = [[(7 * i + 3 * r) % 120 + 3 for i in range(n)] for r, n in enumerate((14, 15, 6, 21))]
+    result = run_parity(path, prompts=prompts, scenarios=("decode", "served"))
+    assert result.passed, {n: s.failures for n, s in result.scenarios.items()}
+    with planted_runtime("no_long_recompute"):
+        result = run_parity(path, prompts=prompts, scenarios=("decode", "served"))
+    first = result.scenarios["served"].first_divergence
+    assert (first["tap"], first["request"], first["position"]) == ("sampled_logits", 0, 16), first
+    first = result.scenarios["decode"].first_divergence  # (its taps: rows 14 and 15 were not recomputed long)
+    assert (first["tap"], first["request"], first["position"]) == ("model.layers.0.self_attn", 0, 14), first
+
+
 def test_dynamic_rope_past_the_runtime_length_is_not_exercised(tmp_path):
     path = save_tiny("LlamaForCausalLM", tmp_path, max_position_embeddings=32,
                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, **WIDE)
