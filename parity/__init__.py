@@ -8,4 +8,4 @@ runtime side), align (both into one layout), metrics, compare, localize, toleran
 (scenarios), report (terminal, JSON), html, tiny (config shrinker).
 """
 
-SCENARIOS = ("prefill", "decode", "chunked", "prefix", "packing", "served")
+SCENARIOS = ("prefill", "decode", "mixed", "chunked", "prefix", "packing", "served")

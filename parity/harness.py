@@ -8,9 +8,12 @@ Scenarios (each reported on its own; all run the zoo through its LLMEngine):
     decode    greedy decode steps through the paged KV cache; the reference runs once on the very tokens
               the zoo produced (teacher forcing): by causality its row p is its full forward over tokens
               0..p, i.e. what a full forward at that decode step gives; the decoded positions compared
+    mixed     one prompt arrives per step while the earlier ones decode: steps holding decode rows and
+              prefill rows together; every position compared, teacher-forced as decode
     chunked   prefill split into chunks by a small per-step token budget; every position compared
-    prefix    a prompt, then the same prompt extended, with prefix caching on: the second request
-              starts from cached blocks; the positions it computes are compared
+    prefix    a prompt, then the same prompt extended (beside another prompt), with prefix caching on: the
+              extended request starts from cached blocks (a recurrent model: a state snapshot restored into
+              a slot of another index); the positions it computes are compared
     packing   each prompt alone vs all packed together: zoo vs zoo (packing invariance)
     served    the path users run: the same greedy decode with no hooks on the model (the fused native step
               where it applies); the logits each request sampled from, at its last token, and its greedy
@@ -56,6 +59,8 @@ DEFAULT_LENGTHS = (13, 29, 6, 21)  # token prompts when the checkpoint has no to
 SCENARIO_HINTS = {
     "decode": "decode through the paged cache: slot_mapping / block_tables, K/V written and read back, positions "
               "of decode tokens",
+    "mixed": "a step holding decode rows and prefill rows: per-request seq_lens / query_start_loc, decode rows "
+             "reading the cache beside prefill rows writing it, the sampled rows of both kinds",
     "chunked": "chunked prefill: attention to the context of earlier chunks (seq_lens vs new tokens, position offsets)",
     "prefix": "prefix-cache hit: the cached blocks a request starts from, positions after the hit",
     "packing": "batch packing: requests see each other in the flattened batch (query_start_loc, seq_lens, "
@@ -580,6 +585,19 @@ class _Run:
                                     f"{self.k['block_size']}), reference run on the same tokens",
                           ref, run, only=decoded, info={"generated": run.outputs})
 
+    def mixed(self) -> ScenarioResult:
+        n = max(2, len(self.prompts))  # request 0 still decodes when the last prompt arrives
+        run = self.zoo_run(max_tokens=n, stagger=True)
+        ref = self.ref_for(run.trace.tokens)
+        ref = dataclasses.replace(ref, trace=self.at_sampled_lengths(ref.trace, run.trace))
+        kinds = [{"decode" if start >= len(self.prompts[int(r)]) else "prefill" for r, start, _ in segs}
+                 for segs in run.segments]
+        both = sum(k == {"decode", "prefill"} for k in kinds)
+        res = self.judge("mixed", f"one prompt arriving per step while the earlier ones decode ({both} steps hold "
+                                  f"decode and prefill rows), every position, reference run on the same tokens",
+                         ref, run, info={"mixed_steps": both, "generated": run.outputs})
+        return self.require(res, both > 0, "no step held both decode rows and prefill rows")
+
     def chunked(self) -> ScenarioResult:
         budget = self.k["chunk_tokens"]
         run = self.zoo_run(max_num_batched_tokens=budget)
@@ -587,17 +605,26 @@ class _Run:
         return self.require(res, run.num_steps > 1, f"a budget of {budget} tokens did not split the prefill")
 
     def prefix(self) -> ScenarioResult:
+        """The longest prompt, then another prompt and the longest extended by it, together: the extended one
+        starts from cached blocks, and a recurrent model's state snapshot restores into a state slot of another
+        index (the other prompt, added first, takes slot 0), so a restore that mixes the two indices shows."""
         first = max(self.prompts, key=len)
-        other = next(p for p in self.prompts if p is not first) if len(self.prompts) > 1 else first
-        extended = [first, first + other]
-        run = self.zoo_run(extended, enable_prefix_caching=True, waves=[[0], [1]])
-        second_only = [torch.zeros(len(first), dtype=torch.bool), torch.ones(len(extended[1]), dtype=torch.bool)]
-        hit = run.cached_tokens.get(1, 0)
-        res = self.judge("prefix", f"a {len(first)}-token prompt, then the same extended to {len(extended[1])} tokens "
-                                   f"with prefix caching (block size {self.k['block_size']})",
-                         self.ref_for(extended), run, only=second_only, info={"cached_tokens": hit})
-        return self.require(res, hit > 0, f"no prefix-cache hit: the second request computed all {len(extended[1])} "
-                                          f"tokens")
+        other = next((p for p in self.prompts if p is not first), first)
+        extended = [first, other, first + other] if other is not first else [first, first + other]
+        waves = [[0], list(range(1, len(extended)))]
+        run = self.zoo_run(extended, enable_prefix_caching=True, waves=waves)
+        last_only = [torch.full((len(p),), k == len(extended) - 1) for k, p in enumerate(extended)]
+        hit = run.cached_tokens.get(len(extended) - 1, 0)
+        res = self.judge("prefix", f"a {len(first)}-token prompt, then the same extended to {len(extended[-1])} tokens "
+                                   f"with prefix caching (block size {self.k['block_size']})"
+                                   + (f", beside another prompt" if len(extended) == 3 else ""),
+                         self.ref_for(extended), run, only=last_only,
+                         info={"cached_tokens": hit, **({"state_restores": run.restores} if run.restores else {})})
+        self.require(res, not run.restores or any(snap != slot for snap, slot in run.restores),
+                     f"the state snapshot restored and the state slot it went to have the same index "
+                     f"({run.restores}): a restore that mixes them up would not show")
+        return self.require(res, hit > 0, f"no prefix-cache hit: the second request computed all "
+                                          f"{len(extended[-1])} tokens")
 
     def served(self) -> ScenarioResult:
         n = self.k["max_new_tokens"]

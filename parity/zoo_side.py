@@ -36,6 +36,7 @@ class ZooRun:
     fused_steps: list[bool] = field(default_factory=list)  # served path: per step, did the fused native step run
     segments: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per step: (request, first token, n)
     encoder: dict[str, int] = field(default_factory=dict)  # a multimodal engine's encoder runs and cache hits
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (state snapshot, state slot) per prefix hit
 
 
 def _watch(engine, segments: list, sampled: list) -> dict:
@@ -53,6 +54,16 @@ def _watch(engine, segments: list, sampled: list) -> dict:
         return step
 
     runner.plan = observed_plan
+    snapshots = engine.scheduler.kv.state_snapshots
+    state["restores"] = []  # (snapshot, state slot) of each prefix hit's state restore
+    if snapshots is not None:
+        restore = snapshots.restore
+
+        def observed_restore(block_hash, slot):
+            restore(block_hash, slot)
+            state["restores"].append((snapshots.copies[-1][1], slot))
+
+        snapshots.restore = observed_restore
     runner.logits_hook = lambda reqs, logits: sampled.append(
         ([r.request_id for r in reqs], logits.detach().float().cpu().clone()))
     if runner.fused is not None:
@@ -67,9 +78,11 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     return state
 
 
-def _drive(engine, prompts, max_tokens, waves, images=None) -> dict:
+def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = False) -> dict:
     """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end.
-    `images`: per prompt, its images (token prompts whose placeholders are already expanded) or None."""
+    `images`: per prompt, its images (token prompts whose placeholders are already expanded) or None.
+    `stagger`: one prompt arrives per step instead (request 0, a step, request 1, a step, ...), so the steps
+    after the first mix the earlier requests' decode rows with a new prompt's prefill rows."""
     from zoo.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -79,6 +92,8 @@ def _drive(engine, prompts, max_tokens, waves, images=None) -> dict:
             rid = engine.add_request(list(prompts[r]), params, request_id=str(r),
                                      images=images[r] if images is not None else None)
             requests[rid] = engine.scheduler.requests[rid]
+            if stagger:
+                engine.step()
         while engine.has_unfinished_requests():
             engine.step()
     return requests
@@ -199,12 +214,13 @@ class ZooSide:
 
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
             max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-            waves: list[list[int]] | None = None, images: list | None = None) -> ZooRun:
+            waves: list[list[int]] | None = None, images: list | None = None, stagger: bool = False) -> ZooRun:
         """Run `prompts` (token ids) through a new engine, greedy, `max_tokens` each; `images[r]`: prompt r's
         images (its placeholders expanded in the token ids), for a multimodal model built with its processor.
 
         `waves` runs groups of requests one after another (each wave to completion before the next is
-        added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once.
+        added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once. `stagger`: one
+        request added per step (`_drive`).
         """
         engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -225,7 +241,7 @@ class ZooSide:
 
         with Capture(self.model, names, inputs=input_taps(names, wanted), meta=meta,
                      root_output=logits_of_every_row) as cap:
-            requests = _drive(engine, prompts, max_tokens, waves, images)
+            requests = _drive(engine, prompts, max_tokens, waves, images, stagger)
         if len(cap.steps) != len(segments):
             raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(segments)} prepared steps")
 
@@ -249,7 +265,8 @@ class ZooSide:
         findings = runtime_findings(steps)
         mm = engine.mm
         encoder = {} if mm is None else {"runs": mm.encoder_runs, "hits": mm.cache.hits}
-        return ZooRun(trace, len(steps), cached, outs, findings, segments=segments, encoder=encoder)
+        return ZooRun(trace, len(steps), cached, outs, findings, segments=segments, encoder=encoder,
+                      restores=watch["restores"])
 
     def serve(self, prompts: list[list[int]], *, max_tokens: int, block_size: int = 16) -> ZooRun:
         """The path users run: the same engine with no hooks on the model (the fused native step where it

@@ -440,12 +440,38 @@ def _no_long_recompute(recompute):
     return buggy
 
 
+def _mixed_decode_slot_off(plan):
+    """In a step that holds prefill rows too, each decode row's k/v goes one slot past its own (the slot of a
+    decode row computed another way when the two kinds meet in one step)."""
+    def buggy(self, out, kv):
+        step = plan(self, out, kv)
+        decode = [s.num_computed_tokens >= s.request.num_prompt_tokens for s in out.scheduled]
+        if any(decode) and not all(decode):
+            for i, d in enumerate(decode):
+                if d:
+                    step.slot_mapping[step.query_start_loc_cpu[i]] += 1  # the bug
+        return step
+    return buggy
+
+
+def _restore_at_the_slot_index(restore):
+    """A prefix hit restores the state snapshot whose index is the request's state slot, not the hit's own
+    snapshot (the two indices mixed up)."""
+    def buggy(self, block_hash, slot):
+        restore(self, block_hash, slot)
+        kind, _, dst = self.copies.pop()
+        self.copies.append((kind, slot, dst))  # the bug
+    return buggy
+
+
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
     "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
     "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "_forward", _fused_logits_scaled),
     "embedding_rows_as_stored": ("zoo.layers.embedding:VocabEmbedding", "forward", _embedding_rows_as_stored),
     "no_long_recompute": ("zoo.runtime.scheduler:Scheduler", "_recompute_long", _no_long_recompute),
+    "mixed_decode_slot_off": ("zoo.runtime.model_runner:ModelRunner", "plan", _mixed_decode_slot_off),
+    "restore_at_the_slot_index": ("zoo.runtime.state_pool:StateSnapshots", "restore", _restore_at_the_slot_index),
 }
 
 
@@ -463,3 +489,23 @@ def planted_runtime(name: str):
         yield
     finally:
         setattr(cls, method, original)
+
+
+@contextlib.contextmanager
+def planted_constant(module: str, attr: str, value):
+    """The zoo's models built inside the block have `module`.`attr` = value (a constant read from the wrong config
+    field, or a default kept): zoo.build.build_model wrapped, restored after."""
+    import zoo.build
+
+    build = zoo.build.build_model
+
+    def buggy(*args, **kwargs):
+        out = build(*args, **kwargs)
+        setattr(out[0].get_submodule(module), attr, value)  # the bug
+        return out
+
+    zoo.build.build_model = buggy
+    try:
+        yield
+    finally:
+        zoo.build.build_model = build

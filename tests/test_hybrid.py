@@ -389,3 +389,23 @@ def test_planted_mixer_bug_is_localised(arch, bug, tap, tmp_path):
     assert not s.passed
     assert s.first_divergence["tap"] == tap, s.first_divergence  # the first tap past the bug, in layer 0
     assert s.first_divergence["role"] in ("mixer_norm", "mixer_conv")
+
+
+def test_parity_prefix_restores_a_snapshot_into_a_slot_of_another_index(tmp_path):
+    """The prefix scenario's hit restores state snapshot 0 into state slot 1 (another prompt, added first, holds
+    slot 0), so a restore that takes the snapshot at the slot's index instead of the hit's own is caught; with the
+    hit's snapshot and slot both 0 (the scenario before) it passed."""
+    from mutants import planted_runtime
+    from parity.harness import run_parity
+    from tiny_configs import save_arch
+
+    path = save_arch("BambaForCausalLM", tmp_path)
+    result = run_parity(path, scenarios=("prefix",))
+    prefix = result.scenarios["prefix"]
+    assert prefix.passed, prefix.failures
+    assert prefix.info["state_restores"] == [(0, 1)] and prefix.info["cached_tokens"] > 0, prefix.info
+    with planted_runtime("restore_at_the_slot_index"):
+        result = run_parity(path, scenarios=("prefix",))
+    prefix = result.scenarios["prefix"]
+    assert not prefix.passed and prefix.first_divergence["request"] == 2, prefix.first_divergence
+    assert prefix.first_divergence["tap"].startswith("model.layers.0.mamba"), prefix.first_divergence

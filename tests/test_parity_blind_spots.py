@@ -156,6 +156,20 @@ def test_sampling_from_the_wrong_row_is_caught(llama):
     assert any(f.startswith("greedy token: request 1 output 0") for f in result.scenarios["served"].failures)
 
 
+def test_a_step_mixing_decode_and_prefill_rows_is_checked(llama):
+    """The mixed scenario: prompts arrive one a step while the earlier ones decode. A bug only in such steps (a
+    decode row's k/v written one slot off beside prefill rows) passes every other scenario and fails this one at
+    the first decode row of a request (the lowest such position: request 2's, a 6-token prompt)."""
+    result = run_parity(llama, scenarios=("decode", "mixed", "chunked", "served"))
+    assert result.passed, {n: s.failures for n, s in result.scenarios.items()}
+    assert result.scenarios["mixed"].info["mixed_steps"] == 3  # prompts 1, 2 and 3 arrived beside decodes
+    with planted_runtime("mixed_decode_slot_off"):
+        result = run_parity(llama, scenarios=("decode", "mixed", "chunked", "served"))
+    assert [n for n, s in result.scenarios.items() if not s.passed] == ["mixed"]
+    first = result.scenarios["mixed"].first_divergence
+    assert (first["request"], first["position"]) == (2, len(result.prompts[2])), first
+
+
 def test_the_served_path_is_checked_without_hooks(llama):
     """A bug only in the fused native step: every hooked scenario passes, served does not."""
     from zoo import kernels
