@@ -134,7 +134,8 @@ def format_summary(result: ParityResult) -> str:
         ref = meta["reference"]
         lines.insert(2, f"bfloat16: the zoo side stores its matrices, embeddings and KV caches in bfloat16 (float32 "
                         f"math); the reference is transformers float32 on {ref['note']}, its {ref['cache']}; "
-                        f"bfloat16 tolerances (parity/tolerances.py BFLOAT16)")
+                        + ("bfloat16 tolerances (parity/tolerances.py BFLOAT16)" if "BFLOAT16" in meta["tolerance_set"]
+                           else "no KV cache to round: the family's float32 tolerances"))
     if "tensor_parallel" in result.meta:
         tp = result.meta["tensor_parallel"]
         lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")

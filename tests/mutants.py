@@ -464,6 +464,14 @@ def _restore_at_the_slot_index(restore):
     return buggy
 
 
+def _mixer_input_as_bfloat16(forward):
+    """A recurrent mixer reads its input rounded to bfloat16 (a bfloat16 activation where the storage contract
+    keeps float32 math)."""
+    def buggy(self, hidden_states, batch):
+        return forward(self, hidden_states.to(torch.bfloat16).to(hidden_states.dtype), batch)  # the bug
+    return buggy
+
+
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
     "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
@@ -472,6 +480,8 @@ RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "no_long_recompute": ("zoo.runtime.scheduler:Scheduler", "_recompute_long", _no_long_recompute),
     "mixed_decode_slot_off": ("zoo.runtime.model_runner:ModelRunner", "plan", _mixed_decode_slot_off),
     "restore_at_the_slot_index": ("zoo.runtime.state_pool:StateSnapshots", "restore", _restore_at_the_slot_index),
+    "mamba2_input_as_bfloat16": ("zoo.layers.mamba:Mamba2Mixer", "forward", _mixer_input_as_bfloat16),
+    "mamba_input_as_bfloat16": ("zoo.layers.mamba:MambaMixer", "forward", _mixer_input_as_bfloat16),
 }
 
 

@@ -103,6 +103,25 @@ def test_a_bfloat16_activation_fails_it(bf16_files):
     assert run_parity(path, dtype=BF16, scenarios=("prefill",)).passed  # restored
 
 
+@pytest.mark.parametrize("arch,mutant,mixer", [
+    ("BambaForCausalLM", "mamba2_input_as_bfloat16", "model.layers.0.mamba"),
+    ("JambaForCausalLM", "mamba_input_as_bfloat16", "model.layers.0.mamba"),
+    ("Mamba2ForCausalLM", "mamba2_input_as_bfloat16", "backbone.layers.0.mixer")])
+def test_a_bfloat16_mixer_input_is_named_at_the_mixer(bf16_files, tmp_path, arch, mutant, mixer):
+    """A recurrent mixer reading its input rounded to bfloat16 adds 1.3e-3 to 2.2e-3 of its own at its in_proj, under
+    the bfloat16 bound of a tap's total (6e-2, for the cache's rounding compounding): it was named downstream (the
+    next attention, the logits) or, in Mamba2, passed. A mixer rounds nothing of its own, so its own error keeps the
+    family's float32 bound (`ssm_local`), and a model without a KV cache (Mamba2) has nothing for bfloat16's bounds
+    to admit: the float32 set judges it."""
+    path = bf16_files.get(arch) or save_bf16(arch, tmp_path)
+    assert run_parity(path, dtype=BF16, scenarios=("prefill",)).passed
+    with planted_runtime(mutant):
+        result = run_parity(path, dtype=BF16, scenarios=("prefill",))
+    s = result.scenarios["prefill"]
+    assert not s.passed and s.localization.culprit["tap"] == f"{mixer}.in_proj", s.localization.culprit
+    assert result.meta["tolerance_set"] == ("hybrid-ssm" if arch == "Mamba2ForCausalLM" else "hybrid-ssm + BFLOAT16")
+
+
 def test_cli_with_an_image(bf16_files, tmp_path, capsys):
     """LLaVA: the text scenarios and the image parity (vision layers, projector, merged embeddings, logits; an image
     split across chunks and a prefix hit inside it, with the language model's cache rounded), exit 0."""
