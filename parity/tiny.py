@@ -3,7 +3,8 @@
 From a config.json (or a directory holding one) we keep everything that makes the architecture what
 it is and shrink only sizes, so parity can run in seconds before any weights are downloaded:
 
-  kept        architecture, rope type/theta/scaling (longrope's factor lists resampled to the new rotary
+  kept        architecture (a config naming none: the one registered architecture transformers' auto mappings
+              give its model_type, said in a note), rope type/theta/scaling (longrope's factor lists resampled to the new rotary
               dim, evenly spaced, ends kept), partial rotary, NoPE layers, norms and eps, activations, biases,
               tied embeddings, softcapping, q/k norms, top-k and routing style, shared experts, MLA
               structure (q LoRA or not), and the head_dim x heads / hidden ratio
@@ -18,8 +19,9 @@ it is and shrink only sizes, so parity can run in seconds before any weights are
               size, merge size, temporal patches and channels kept; CLIP (LLaVA) keeps a layer for each distinct
               vision_feature_layer depth (signs kept: -2 is still the penultimate layer) and one after the
               deepest when the original had one (the zoo builds up to the deepest and names the rest ignores),
-              images of 4 x 4 patches; Qwen2-VL keeps 2 blocks, its merger's output width follows the text's
-              hidden size and the text's mrope_section is rescaled to the new head_dim / 2; the special ids
+              images of 4 x 4 patches; Qwen2-VL keeps 2 blocks (initializer_range raised as the text's), its
+              merger's output width follows the text's hidden size and the text's mrope_section (transformers'
+              default [16, 24, 24] where the config has none) is rescaled to the new head_dim / 2; the special ids
               (image placeholder, vision start / end, pad) move into the shrunk vocabulary; an image processor
               for those sizes is saved with the checkpoint (the source's own, resized, when it has a
               preprocessor_config.json)
@@ -265,6 +267,9 @@ def _shrink_vision(top: dict, v: dict, text: dict) -> dict:
         v["hidden_size"] = text["hidden_size"]  # the merger writes the language model's embeddings
         if "spatial_patch_size" in v:
             v["spatial_patch_size"] = v["patch_size"]
+        # its own init range (0.02) leaves attention near uniform: (row, column) swapped in the vision rotary moved
+        # the output 4e-4, under the tolerance; at 0.2 it moves it 0.4 (a correct tower stays at 1e-6)
+        v["initializer_range"] = max(v.get("initializer_range") or 0.0, WIDE_INIT)
     else:
         raise ValueError(f"vision_config.model_type={kind!r}: the shrinker knows clip_vision_model (LLaVA) and "
                          f"qwen2_vl_vision (Qwen2-VL)")
