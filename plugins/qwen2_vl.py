@@ -55,10 +55,9 @@ def mrope_parameters(config, layer_type: str | None = None) -> dict:
 class Qwen2VLDecoderLayer(Qwen2DecoderLayer):
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Qwen2: M-RoPE, three position axes over mrope_section of the frequencies
-        head_dim = head_dim_of(config)
         params = mrope_parameters(config, self.layer_type(config, layer_idx))
-        rope = get_rope(head_dim=head_dim, rope_parameters=params, max_position_embeddings=config.max_position_embeddings,
-                        cls=MRotaryEmbedding)
+        rope = get_rope(head_dim=head_dim_of(config), rope_parameters=params,
+                        max_position_embeddings=config.max_position_embeddings, cls=MRotaryEmbedding)
         return {**super().attention_kwargs(config, layer_idx), "rope": rope}
 
 
