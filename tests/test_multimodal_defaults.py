@@ -6,6 +6,7 @@ misuse is one line and exit status 2."""
 import contextlib
 import dataclasses
 import io
+import json
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import zoo.layers.qwen2_vision
 import zoo.layers.vision
 import zoo.runtime.multimodal as runtime_mm
 from multimodal_tiny import drawn_image, random_image, save_tiny_qwen2_vl
+from parity.inputs import special_ids
 from parity.multimodal import image_parity
 from tiny import save_tiny
 from zoo.cli import main
@@ -50,7 +52,7 @@ def runs(root):
     images (the text prefill and the image parity)."""
     out = {}
     for arch in ARCHS:
-        text = zoo_parity("--tiny", root / arch, "--keep-tiny", root / f"{arch}-tiny")
+        text = zoo_parity("--tiny", root / arch, "--keep-tiny", root / f"{arch}-tiny", "--json", root / f"{arch}.json")
         image = zoo_parity("--tiny", root / arch, "--image", root / "a.png", "--image", root / "b.png",
                            "--scenario", "prefill")
         out[arch] = (text, image)
@@ -58,11 +60,15 @@ def runs(root):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_default_configs_pass_with_and_without_images(runs, arch):
+def test_default_configs_pass_with_and_without_images(root, runs, arch):
     (status, out, err), (image_status, image_out, image_err) = runs[arch]
     assert status == 0, out + err
     assert f"inputs: the config names no architectures: built {arch}" in out
     assert "PASS" in out.splitlines()[-1] and "crashed" not in out
+    config = transformers.AutoConfig.from_pretrained(root / f"{arch}-tiny")
+    specials = special_ids(config) | {config.image_token_id}
+    prompts = json.loads((root / f"{arch}.json").read_text())["prompts"]
+    assert len(prompts) >= 4 and not specials & {t for p in prompts for t in p}, specials  # none drawn
     assert image_status == 0, image_out + image_err
     assert f"image parity ({arch}): pass" in image_out
     assert all(f"image scenario {name:<10} pass" in image_out for name in ("chunked", "prefix", "decode", "processors"))
