@@ -62,7 +62,7 @@ from parity.taps import LOGITS, Capture, reference_taps, short
 from parity.tolerances import tolerances
 from parity.zoo_side import ZooSide
 from zoo.runtime.batch import ForwardBatch
-from zoo.runtime.model_files import load_config, load_processor, load_tokenizer, resolve_model
+from zoo.runtime.model_files import ModelNotFound, load_config, load_processor, load_tokenizer, resolve_model
 from zoo.runtime.multimodal import MultiModal
 
 VISION_LAYERS = ("model.vision_tower.encoder.layers.", "model.visual.blocks.")
@@ -196,8 +196,8 @@ def check_image_args(model: str, images: list, prompt) -> None:
         raise ImageUsageError("--image-prompt: needs --image")
     try:
         spec = get_registry().resolve(load_config(resolve_model(model)))
-    except UnsupportedArchitecture:
-        return  # (the text run says it)
+    except (UnsupportedArchitecture, ModelNotFound, OSError, ValueError):
+        return  # (the text run says what is wrong with the model)
     if spec.family != "multimodal":
         raise ImageUsageError(f"--image: {spec.architectures[0]} is a text-only ({spec.family}) model; it takes no "
                               f"images")

@@ -226,3 +226,12 @@ def test_image_misuse_is_one_line_exit_2(qwen_with_tokenizer, root, tmp_path):
     one_line_usage_error(*zoo_parity(save_tiny("LlamaForCausalLM", tmp_path / "llama"), "--image", a),
                          "--image: LlamaForCausalLM is a text-only")
     one_line_usage_error(*zoo_parity(model, "--image-prompt", "w1"), "--image-prompt: needs --image")
+
+
+def test_given_text_prompts_holding_an_image_placeholder_are_refused(root, runs):
+    from parity.harness import ParityUsageError, run_parity
+
+    path = root / "LlavaForConditionalGeneration-tiny"
+    image = transformers.AutoConfig.from_pretrained(path).image_token_id
+    with pytest.raises(ParityUsageError, match=f"--prompts: prompt 1 holds the image placeholder id {image}"):
+        run_parity(path, prompts=[[5, 6, 7, 8], [9, image, 10, 11]])
