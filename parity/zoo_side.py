@@ -78,7 +78,8 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     return state
 
 
-def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = False, allowed_token_ids=None) -> dict:
+def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = False,
+           allowed_token_ids=None) -> dict:
     """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end.
     `images`: per prompt, its images (token prompts whose placeholders are already expanded) or None.
     `stagger`: one prompt arrives per step instead (request 0, a step, request 1, a step, ...), so the steps
