@@ -6,8 +6,8 @@ it is and shrink only sizes, so parity can run in seconds before any weights are
   kept        architecture (a config naming none: the one registered architecture transformers' auto mappings
               give its model_type, said in a note), rope type/theta/scaling (longrope's factor lists resampled
               to the new rotary dim, evenly spaced, ends kept), partial rotary, NoPE layers, norms and eps,
-              activations, biases, tied embeddings, softcapping, q/k norms, top-k and routing style, shared experts, MLA
-              structure (q LoRA or not), and the head_dim x heads / hidden ratio
+              activations, biases, tied embeddings, softcapping, q/k norms, top-k and routing style, shared
+              experts, MLA structure (q LoRA or not), and the head_dim x heads / hidden ratio
   layers      the first layer plus the first layer of every other kind (each layer_types / no_rope_layers
               entry, dense vs MoE): at least 2; those lists and the dense/MoE placement fields are rewritten
   heads       MHA stays MHA (4 heads), MQA stays MQA (1 KV head), GQA keeps its group size up to 4 with
