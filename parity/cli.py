@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 from parity import SCENARIOS
@@ -59,7 +60,9 @@ def add_arguments(parser) -> None:
                              "(an image split across prefill chunks, a prefix hit inside the same image; "
                              "repeatable; parity.multimodal)")
     parser.add_argument("--image-prompt", metavar="TEXT",
-                        help="with --image: the prompt (default: the image token per image, 'Describe the image.')")
+                        help="with --image: the prompt, text or a JSON list of token ids holding one image token per "
+                             "image (default: each image's tokens, inside the vision start / end tokens where the "
+                             "model has them, then 'Describe the image.')")
 
 
 def unwritable(path: str) -> str | None:
@@ -75,6 +78,23 @@ def unwritable(path: str) -> str | None:
     if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"its directory {parent} is not writable"
     return None
+
+
+def image_prompt_arg(text: str | None) -> str | list[int] | None:
+    """--image-prompt: a JSON list of token ids (a checkpoint without a tokenizer: `--tiny`) or text."""
+    import json
+
+    from parity.harness import ParityUsageError
+
+    if text is None or not text.lstrip().startswith("["):
+        return text
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ParityUsageError(f"--image-prompt {text[:60]}: a JSON list must hold token ids (integers >= 0)")
+    return ids
 
 
 def run(args) -> int:
@@ -104,7 +124,7 @@ def run(args) -> int:
 
     dtype = getattr(torch, args.dtype or "float32")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    tmp = None
+    tmp, notes = None, []
     try:
         model = args.model
         if args.tiny:
@@ -117,24 +137,43 @@ def run(args) -> int:
                 out = tmp.name
             say(f"building a tiny random-weight checkpoint from {args.tiny} in {out}")
             try:
-                model = str(save_tiny_checkpoint(args.tiny, out, seed=args.seed))
+                model = str(save_tiny_checkpoint(args.tiny, out, seed=args.seed, notes=notes))
             except (OSError, ValueError, TypeError) as e:
                 raise ParityUsageError(f"--tiny {args.tiny}: {type(e).__name__}: {e}") from e
+            for note in notes:
+                say(note)
+        image_prompt = None
+        if args.image or args.image_prompt is not None:  # checked before any weight is read
+            from parity.multimodal import ImageUsageError, check_image_args
+
+            image_prompt = image_prompt_arg(args.image_prompt)
+            try:
+                check_image_args(model, args.image or [], image_prompt)
+            except ImageUsageError as e:
+                raise ParityUsageError(str(e)) from None
         result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
                             tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                             block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
                             replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
                             quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say)
+        result.inputs["notes"] = notes + result.inputs.get("notes", [])  # (--tiny's: what it inferred)
         images = None
         if args.image:
-            from parity.multimodal import image_parity
+            from parity.multimodal import ImageUsageError, image_parity
 
             say(f"image parity: {len(args.image)} image(s)")
             try:
-                images = image_parity(model, args.image_prompt, args.image, tol_overrides=overrides,
-                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens, dtype=dtype)
-            except (ValueError, AttributeError) as e:  # an undecodable image, a model without images
-                raise ParityUsageError(f"--image: {e}") from e
+                images = image_parity(model, image_prompt, args.image, tol_overrides=overrides,
+                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens,
+                                      max_new_tokens=args.max_new_tokens, dtype=dtype)
+            except ImageUsageError as e:  # the prompt and images, found before anything is compared
+                raise ParityUsageError(str(e)) from None
+            except Exception as e:  # a crash of either side outside the scenarios: a finding, in one line
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                print(format_summary(result))
+                print(f"image parity crashed: {type(e).__name__}: {e} (at {where.filename}:{where.lineno} in "
+                      f"{where.name})\n\nDIVERGES: image parity")
+                return 1
     except ParityUsageError as e:
         print(f"zoo parity: {e}", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ from parity.align import Trace
 from parity.bfloat16 import cache_rounded, reference_checkpoint
 from parity.compare import Comparison, compare, first_divergence, verdict
 from parity.constants import built_constants
-from parity.inputs import degenerate_message, length_dependent, plan_inputs, why_degenerate
+from parity.inputs import degenerate_message, length_dependent, plan_inputs, random_prompt, special_ids, why_degenerate
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
 from parity.taps import EMBEDDED, LOGITS, SAMPLED, TP_REPLICATED_ROLES, first_layer, reference_taps, role_of, short
@@ -122,12 +122,15 @@ class ParityResult:
 
 
 # -- inputs ------------------------------------------------------------------------------------------------
-def default_prompts(tokenizer, vocab_size: int, seed: int) -> tuple[list[list[int]], list[str] | None]:
+def default_prompts(tokenizer, vocab_size: int, seed: int,
+                    exclude: set[int] = frozenset()) -> tuple[list[list[int]], list[str] | None]:
+    """The default texts tokenised; without a tokenizer, random ids of DEFAULT_LENGTHS, none of `exclude` (the
+    config's special and placeholder ids, inputs.special_ids: an image placeholder in a text prompt is refused by
+    the runtime, and a bos / eos / pad mid-prompt is no prompt a model is run on)."""
     if tokenizer is not None:
         return [tokenizer.encode(t) for t in DEFAULT_TEXT_PROMPTS], list(DEFAULT_TEXT_PROMPTS)
     g = torch.Generator().manual_seed(seed)
-    low = min(3, vocab_size - 1)  # past the usual pad/bos/eos ids
-    return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in DEFAULT_LENGTHS], None
+    return [random_prompt(n, vocab_size, g, exclude) for n in DEFAULT_LENGTHS], None
 
 
 def read_prompts(path, tokenizer) -> tuple[list[list[int]], list[str] | None]:
@@ -293,10 +296,16 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
     if prompts is None and prompts_file is not None:
         prompts, prompt_texts = read_prompts(prompts_file, tokenizer)
     elif prompts is None:
-        prompts, prompt_texts = default_prompts(tokenizer, config.get_text_config().vocab_size, seed)
+        prompts, prompt_texts = default_prompts(tokenizer, config.get_text_config().vocab_size, seed,
+                                                special_ids(config, tokenizer))
     if user_given:  # refused before anything loads
         unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
         bad = {i: why for i, p in enumerate(prompts) if (why := why_degenerate(p, unk))}
+        placeholders = {getattr(config, k, None) for k in ("image_token_id", "video_token_id")} - {None}
+        held = next(((i, t) for i, p in enumerate(prompts) for t in p if t in placeholders), None)
+        if held:  # the runtime would refuse every scenario's request: a usage error, said once
+            raise ParityUsageError(f"--prompts: prompt {held[0]} holds the image placeholder id {held[1]}; these "
+                                   f"scenarios run text alone (images go with --image)")
         if bad:
             raise ParityUsageError(degenerate_message(bad))
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):

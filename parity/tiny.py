@@ -3,10 +3,11 @@
 From a config.json (or a directory holding one) we keep everything that makes the architecture what
 it is and shrink only sizes, so parity can run in seconds before any weights are downloaded:
 
-  kept        architecture, rope type/theta/scaling (longrope's factor lists resampled to the new rotary
-              dim, evenly spaced, ends kept), partial rotary, NoPE layers, norms and eps, activations, biases,
-              tied embeddings, softcapping, q/k norms, top-k and routing style, shared experts, MLA
-              structure (q LoRA or not), and the head_dim x heads / hidden ratio
+  kept        architecture (a config naming none: the one registered architecture transformers' auto mappings
+              give its model_type, said in a note), rope type/theta/scaling (longrope's factor lists resampled
+              to the new rotary dim, evenly spaced, ends kept), partial rotary, NoPE layers, norms and eps,
+              activations, biases, tied embeddings, softcapping, q/k norms, top-k and routing style, shared
+              experts, MLA structure (q LoRA or not), and the head_dim x heads / hidden ratio
   layers      the first layer plus the first layer of every other kind (each layer_types / no_rope_layers
               entry, dense vs MoE): at least 2; those lists and the dense/MoE placement fields are rewritten
   heads       MHA stays MHA (4 heads), MQA stays MQA (1 KV head), GQA keeps its group size up to 4 with
@@ -18,8 +19,9 @@ it is and shrink only sizes, so parity can run in seconds before any weights are
               size, merge size, temporal patches and channels kept; CLIP (LLaVA) keeps a layer for each distinct
               vision_feature_layer depth (signs kept: -2 is still the penultimate layer) and one after the
               deepest when the original had one (the zoo builds up to the deepest and names the rest ignores),
-              images of 4 x 4 patches; Qwen2-VL keeps 2 blocks, its merger's output width follows the text's
-              hidden size and the text's mrope_section is rescaled to the new head_dim / 2; the special ids
+              images of 4 x 4 patches; Qwen2-VL keeps 2 blocks (initializer_range raised as the text's), its
+              merger's output width follows the text's hidden size and the text's mrope_section (transformers'
+              default [16, 24, 24] where the config has none) is rescaled to the new head_dim / 2; the special ids
               (image placeholder, vision start / end, pad) move into the shrunk vocabulary; an image processor
               for those sizes is saved with the checkpoint (the source's own, resized, when it has a
               preprocessor_config.json)
@@ -173,6 +175,7 @@ def shrink_dict(d: dict) -> dict:
     heads, hidden = d["num_attention_heads"], d["hidden_size"]
     kv = d.get("num_key_value_heads") or heads
     head_dim = d.get("head_dim") or hidden // heads
+    _default_mrope_section(d, head_dim)
     ratio = head_dim * heads / hidden  # kept: some models have head_dim * heads != hidden
     kv_new = 4 if kv == heads else 1 if kv == 1 else 2  # MHA stays MHA, MQA stays MQA
     heads_new = kv_new * min(heads // kv, 4)
@@ -264,6 +267,9 @@ def _shrink_vision(top: dict, v: dict, text: dict) -> dict:
         v["hidden_size"] = text["hidden_size"]  # the merger writes the language model's embeddings
         if "spatial_patch_size" in v:
             v["spatial_patch_size"] = v["patch_size"]
+        # its own init range (0.02) leaves attention near uniform: (row, column) swapped in the vision rotary moved
+        # the output 4e-4, under the tolerance; at 0.2 it moves it 0.4 (a correct tower stays at 1e-6)
+        v["initializer_range"] = max(v.get("initializer_range") or 0.0, WIDE_INIT)
     else:
         raise ValueError(f"vision_config.model_type={kind!r}: the shrinker knows clip_vision_model (LLaVA) and "
                          f"qwen2_vl_vision (Qwen2-VL)")
@@ -291,6 +297,28 @@ def _remap_special_ids(top: dict, text: dict) -> None:
             top[k] = moved[top[k]]
     top["dtype"] = "float32"
     top.pop("torch_dtype", None)
+
+
+# M-RoPE text configs whose modeling code takes a default mrope_section when the config gives none
+MROPE_DEFAULTS = {"qwen2_vl_text": "plugins.qwen2_vl:MROPE_SECTION_DEFAULT"}
+
+
+def _default_mrope_section(d: dict, head_dim: int) -> None:
+    """A config without mrope_section gets the section transformers' modeling code defaults to (Qwen2-VL: [16, 24,
+    24], made for head_dim 128), written into its rope_parameters so the shrunk one can scale it; one whose head_dim
+    that default does not fit is refused, as transformers' forward would fail on it."""
+    where = MROPE_DEFAULTS.get(d.get("model_type"))
+    tables = [t for t in (d.get("rope_scaling"), d.get("rope_parameters")) if isinstance(t, dict)]
+    if where is None or any(t.get("mrope_section") for t in tables):
+        return
+    import importlib
+
+    module, name = where.split(":")
+    default = list(getattr(importlib.import_module(module), name))
+    if sum(default) != head_dim // 2:
+        raise ValueError(f"text_config: no rope_parameters.mrope_section, and transformers' default {default} does "
+                         f"not fit head_dim {head_dim} (its sections add up to head_dim / 2)")
+    d["rope_parameters"] = {**(d.get("rope_parameters") or {}), "mrope_section": default}
 
 
 def _shrink_mrope_section(d: dict) -> None:
@@ -376,15 +404,50 @@ def shrink_config(config) -> transformers.PretrainedConfig:
     return type(config).from_dict(shrink_dict(config.to_dict()))
 
 
-def save_tiny_checkpoint(source, out_dir, *, seed: int = 0) -> Path:
-    """Shrink the config at `source`, build its architecture with random weights, save_pretrained to out_dir."""
-    config = shrink_config(load_config(source))
+def infer_architecture(config) -> tuple[str, str | None]:
+    """(the architecture to build, a note when the config names none). A config without `architectures`
+    (transformers' own defaults: LlavaConfig(), Qwen2VLConfig() save none) takes the one registered architecture
+    that transformers' auto mappings give its model_type (the registry's model_type rule when they give none);
+    none, or several, is a ValueError saying what to add."""
     archs = getattr(config, "architectures", None) or []
-    if not archs:
-        raise ValueError("the config names no architectures")
-    model_cls = getattr(transformers, archs[0], None)
+    if archs:
+        return archs[0], None
+    from transformers.models.auto import modeling_auto
+
+    from registry import UnsupportedArchitecture, get_registry
+
+    registry, model_type = get_registry(), config.model_type
+    mapped = set()
+    for name in dir(modeling_auto):
+        if name.endswith("_MAPPING_NAMES") and name != "CONFIG_MAPPING_NAMES":
+            value = getattr(modeling_auto, name).get(model_type)
+            mapped.update(value if isinstance(value, (list, tuple)) else [value] if value else [])
+    found = sorted(a for a in mapped if a in registry.specs)
+    how = "the registered architecture transformers' auto mappings give it"
+    if not found:
+        try:
+            found, how = list(registry.resolve({"model_type": model_type}).architectures[:1]), "the registry's rule"
+        except UnsupportedArchitecture:
+            pass
+    if len(found) != 1:
+        fits = f"it fits {', '.join(found)}" if found else "no registered architecture fits it"
+        raise ValueError(f"the config names no architectures and model_type {model_type!r} does not tell one: {fits}; "
+                         f"add \"architectures\": [...] to config.json")
+    return found[0], f"the config names no architectures: built {found[0]}, {how} (model_type {model_type!r})"
+
+
+def save_tiny_checkpoint(source, out_dir, *, seed: int = 0, notes: list[str] | None = None) -> Path:
+    """Shrink the config at `source`, build its architecture with random weights, save_pretrained to out_dir.
+    `notes`: what was inferred is appended there (an architecture the config does not name)."""
+    config = shrink_config(load_config(source))
+    arch, note = infer_architecture(config)
+    if note is not None:
+        config.architectures = [arch]
+        if notes is not None:
+            notes.append(note)
+    model_cls = getattr(transformers, arch, None)
     if model_cls is None:
-        raise ValueError(f"transformers {transformers.__version__} has no class {archs[0]}")
+        raise ValueError(f"transformers {transformers.__version__} has no class {arch}")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     randomize_constants(model, seed=seed)

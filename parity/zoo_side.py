@@ -78,14 +78,18 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     return state
 
 
-def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = False) -> dict:
+def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = False,
+           allowed_token_ids=None) -> dict:
     """Add the prompts (in waves, each run to completion before the next is added), greedy; step to the end.
     `images`: per prompt, its images (token prompts whose placeholders are already expanded) or None.
     `stagger`: one prompt arrives per step instead (request 0, a step, request 1, a step, ...), so the steps
-    after the first mix the earlier requests' decode rows with a new prompt's prefill rows."""
+    after the first mix the earlier requests' decode rows with a new prompt's prefill rows.
+    `allowed_token_ids`: the only tokens greedy may pick (the sampler masks the rest; the logits compared are the
+    model's, before it)."""
     from zoo.runtime.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            allowed_token_ids=allowed_token_ids)
     requests = {}
     for wave in waves or [list(range(len(prompts)))]:
         for r in wave:
@@ -200,23 +204,26 @@ class ZooSide:
         return zoo_tap_names(self.model, self.config, wanted)
 
     def _engine(self, prompts, *, max_tokens, block_size, max_num_batched_tokens=None, max_num_seqs=64,
-                enable_prefix_caching=False):
+                enable_prefix_caching=False, processor=None):
         from zoo.runtime.engine import LLMEngine
 
         total = sum(len(p) + max_tokens for p in prompts)
         budget = max_num_batched_tokens or max(2048, total)
         engine = LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
                            block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                           enable_prefix_caching=enable_prefix_caching, device=self.device, processor=self.processor)
+                           enable_prefix_caching=enable_prefix_caching, device=self.device,
+                           processor=processor or self.processor)
         if self.tp is not None:
             self.tp.attach(engine)  # the workers' caches take this engine's shape; its steps are mirrored
         return engine
 
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
             max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-            waves: list[list[int]] | None = None, images: list | None = None, stagger: bool = False) -> ZooRun:
+            waves: list[list[int]] | None = None, images: list | None = None, stagger: bool = False,
+            processor=None, allowed_token_ids: list[int] | None = None) -> ZooRun:
         """Run `prompts` (token ids) through a new engine, greedy, `max_tokens` each; `images[r]`: prompt r's
-        images (its placeholders expanded in the token ids), for a multimodal model built with its processor.
+        images (its placeholders expanded in the token ids), for a multimodal model built with its processor
+        (`processor`: this engine's instead); `allowed_token_ids`: the only tokens greedy may generate.
 
         `waves` runs groups of requests one after another (each wave to completion before the next is
         added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once. `stagger`: one
@@ -224,7 +231,7 @@ class ZooSide:
         """
         engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching, processor=processor)
         names = self.tap_names(wanted)
         segments: list[list[tuple[str, int, int]]] = []  # per step: (request id, first token index, tokens)
         sampled: list[tuple[list[str], torch.Tensor]] = []
@@ -241,7 +248,7 @@ class ZooSide:
 
         with Capture(self.model, names, inputs=input_taps(names, wanted), meta=meta,
                      root_output=logits_of_every_row) as cap:
-            requests = _drive(engine, prompts, max_tokens, waves, images, stagger)
+            requests = _drive(engine, prompts, max_tokens, waves, images, stagger, allowed_token_ids)
         if len(cap.steps) != len(segments):
             raise RuntimeError(f"the model ran {len(cap.steps)} forwards for {len(segments)} prepared steps")
 

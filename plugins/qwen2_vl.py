@@ -40,11 +40,23 @@ QWEN2_VL_RULES = LLAMA_RULES + Rules(renames=(
 ))
 
 
+# transformers' Qwen2VLRotaryEmbedding takes this when rope_parameters names no mrope_section (Qwen2-VL's own
+# 2B / 7B / 72B sections of head_dim 128; Qwen2VLConfig() saves none)
+MROPE_SECTION_DEFAULT = (16, 24, 24)
+
+
+def mrope_parameters(config, layer_type: str | None = None) -> dict:
+    """The text config's rope parameters with transformers' default mrope_section where it gives none."""
+    params = rope_parameters(config, layer_type)
+    params["mrope_section"] = list(params.get("mrope_section") or MROPE_SECTION_DEFAULT)
+    return params
+
+
 class Qwen2VLDecoderLayer(Qwen2DecoderLayer):
     def attention_kwargs(self, config, layer_idx: int) -> dict:
         # diff with Qwen2: M-RoPE, three position axes over mrope_section of the frequencies
-        head_dim = head_dim_of(config)
-        rope = get_rope(head_dim=head_dim, rope_parameters=rope_parameters(config, self.layer_type(config, layer_idx)),
+        params = mrope_parameters(config, self.layer_type(config, layer_idx))
+        rope = get_rope(head_dim=head_dim_of(config), rope_parameters=params,
                         max_position_embeddings=config.max_position_embeddings, cls=MRotaryEmbedding)
         return {**super().attention_kwargs(config, layer_idx), "rope": rope}
 
@@ -115,14 +127,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
 def validate(config) -> None:
     validate_text(config.text_config)
-    params = rope_parameters(config.text_config)
+    params = mrope_parameters(config.text_config)
     if params.get("rope_type") != "default":
         raise ValueError(f"config.text_config.rope_parameters: rope_type {params.get('rope_type')!r} with M-RoPE is "
                          f"not supported (default only)")
-    section = params.get("mrope_section") or []
+    section = params["mrope_section"]
     if sum(section) != head_dim_of(config.text_config) // 2 or len(section) != 3:
-        raise ValueError(f"config.text_config.rope_parameters.mrope_section={section} must be 3 sections adding "
-                         f"up to head_dim / 2 = {head_dim_of(config.text_config) // 2}")
+        given = "" if rope_parameters(config.text_config).get("mrope_section") else \
+            " (none given: transformers' default for head_dim 128)"
+        raise ValueError(f"config.text_config.rope_parameters.mrope_section={section}{given} must be 3 sections "
+                         f"adding up to head_dim / 2 = {head_dim_of(config.text_config) // 2}")
     vision_activation(config.vision_config.hidden_act, field="config.vision_config.hidden_act")
 
 

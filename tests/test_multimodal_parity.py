@@ -122,10 +122,11 @@ def test_cli_tiny_with_an_image(tmp_path, capsys):
                  "--quiet", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "image parity (Qwen2VLForConditionalGeneration): pass" in out
-    assert "image scenario chunked  pass" in out and "image scenario prefix   pass" in out
+    assert all(f"image scenario {name:<10} pass" in out for name in ("chunked", "prefix", "decode", "processors"))
     doc = json.loads((tmp_path / "r.json").read_text())["images"]
     assert doc["passed"] and [t["role"] for t in doc["taps"]][-2:] == ["logits", "lm_only"]
-    assert set(doc["scenarios"]) == {"chunked", "prefix"} and doc["scenarios"]["prefix"]["passed"]
+    assert set(doc["scenarios"]) == {"chunked", "prefix", "decode", "processors"}
+    assert all(s["passed"] for s in doc["scenarios"].values())
 
 
 # -- planted runtime bugs: the image scenarios fail where the bug is --------------------------------------------------
@@ -164,7 +165,7 @@ PLANTED = {"LlavaForConditionalGeneration": ("gather", chunk_local_gather, "mode
 def test_a_planted_chunk_bug_is_found_at_the_first_layer_and_position(passing, tiny, arch, monkeypatch):
     method, bug, tap = PLANTED[arch]
     monkeypatch.setattr(MultiModal, method, bug)
-    result = image_parity(str(tiny[arch]), None, IMAGES)
+    result = image_parity(str(tiny[arch]), None, IMAGES, scenarios=("chunked", "prefix"))
     assert all(t.passed for t in result.taps)  # the one-shot forward does not go through the runtime's steps
     assert not result.passed and result.first_divergence.startswith("chunked: model.language_model.layers.0")
     for name, s in result.scenarios.items():

@@ -136,7 +136,7 @@ def test_cli_with_an_image(bf16_files, tmp_path, capsys):
     meta = doc["meta"]
     assert doc["passed"] and meta["dtype"] == "bfloat16" and meta["reference"]["route"] == "checkpoint as is"
     assert meta["tolerance_set"] == "multimodal + BFLOAT16"
-    assert doc["images"]["passed"] and set(doc["images"]["scenarios"]) == {"chunked", "prefix"}
+    assert doc["images"]["passed"] and set(doc["images"]["scenarios"]) == {"chunked", "prefix", "decode", "processors"}
 
 
 @pytest.mark.parametrize("argv, message", [
