@@ -41,7 +41,8 @@ from parity.align import Trace
 from parity.bfloat16 import cache_rounded, reference_checkpoint
 from parity.compare import Comparison, compare, first_divergence, verdict
 from parity.constants import built_constants
-from parity.inputs import degenerate_message, length_dependent, plan_inputs, random_prompt, special_ids, why_degenerate
+from parity.inputs import (context_limit, degenerate_message, length_dependent, plan_inputs, random_prompt,
+                           special_ids, too_long, why_degenerate)
 from parity.localize import Localization, localize
 from parity.reference import load_reference, run_reference
 from parity.taps import EMBEDDED, LOGITS, SAMPLED, TP_REPLICATED_ROLES, first_layer, reference_taps, role_of, short
@@ -308,6 +309,8 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
                                    f"scenarios run text alone (images go with --image)")
         if bad:
             raise ParityUsageError(degenerate_message(bad))
+        if why := too_long(prompts, context_limit(config), reserve(max_new_tokens)):
+            raise ParityUsageError(why)
     if len(prompts) < 2 and any(s in scenarios for s in ("prefill", "packing")):
         raise ParityUsageError("ragged prefill and packing need at least 2 prompts")
     bfloat16 = dtype is torch.bfloat16
@@ -334,7 +337,7 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         num_params = sum(math.prod(p.quant.shape) if getattr(p, "quant", None) is not None else p.numel()
                          for p in zoo.model.parameters())
         inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
-                             num_params=num_params, seed=seed, zoo_model=zoo.model)
+                             num_params=num_params, seed=seed, zoo_model=zoo.model, reserve=reserve(max_new_tokens))
         prompts, prompt_texts = inputs.prompts, inputs.texts
         for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
             say(note)
@@ -344,7 +347,7 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         for m in constants["mismatches"]:
             say(f"built with another constant: {m}")
         ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
-                   block_size=block_size, chunk_tokens=chunk_tokens))
+                   block_size=block_size, chunk_tokens=chunk_tokens, context=context_limit(config)))
         ctx.constants = constants["mismatches"]
         results: dict[str, ScenarioResult] = {}
         if bfloat16:  # (a multimodal model's language model: its vision tower keeps no cache)
@@ -390,6 +393,11 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
                             constants)
     finally:
         cleanup.close()
+
+
+def reserve(max_new_tokens: int) -> int:
+    """The tokens a scenario generates past a prompt (decode and served: max_new_tokens; mixed: at least 2)."""
+    return max(2, max_new_tokens)
 
 
 def has_kv_cache(model) -> bool:
@@ -605,7 +613,7 @@ class _Run:
                           ref, run, only=decoded, info={"generated": run.outputs})
 
     def mixed(self) -> ScenarioResult:
-        n = max(2, len(self.prompts))  # request 0 still decodes when the last prompt arrives
+        n = reserve(self.k["max_new_tokens"])  # each prompt arrives while the one before it still decodes
         run = self.zoo_run(max_tokens=n, stagger=True)
         ref = self.ref_for(run.trace.tokens)
         ref = dataclasses.replace(ref, trace=self.at_sampled_lengths(ref.trace, run.trace))
@@ -628,15 +636,19 @@ class _Run:
         starts from cached blocks, and a recurrent model's state snapshot restores into a state slot of another
         index (the other prompt, added first, takes slot 0), so a restore that mixes the two indices shows."""
         first = max(self.prompts, key=len)
-        other = next((p for p in self.prompts if p is not first), first)
-        extended = [first, other, first + other] if other is not first else [first, first + other]
+        other = next((p for p in self.prompts if p is not first), None)
+        room = self.k["context"] - 1 if self.k["context"] else None  # the extended prompt and its token fit
+        if room is not None and len(first) + len(other or first) > room:  # a model of few positions
+            first = first[: max(1, room - min(len(other or first), room // 2))]
+            other = other[: max(1, room - len(first))] if other is not None else None
+        extended = [first, other, first + other] if other is not None else [first, first + first]
         waves = [[0], list(range(1, len(extended)))]
         run = self.zoo_run(extended, enable_prefix_caching=True, waves=waves)
         last_only = [torch.full((len(p),), k == len(extended) - 1) for k, p in enumerate(extended)]
         hit = run.cached_tokens.get(len(extended) - 1, 0)
         res = self.judge("prefix", f"a {len(first)}-token prompt, then the same extended to {len(extended[-1])} tokens "
                                    f"with prefix caching (block size {self.k['block_size']})"
-                                   + (f", beside another prompt" if len(extended) == 3 else ""),
+                                   + (", beside another prompt" if len(extended) == 3 else ""),
                          self.ref_for(extended), run, only=last_only,
                          info={"cached_tokens": hit, **({"state_restores": run.restores} if run.restores else {})})
         self.require(res, not run.restores or any(snap != slot for snap, slot in run.restores),

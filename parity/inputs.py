@@ -110,10 +110,29 @@ def length_dependent(config) -> bool:
     return any(feature.startswith("rope ") for feature, _ in length_features(config))
 
 
+def context_limit(config) -> int | None:
+    """The longest request the runtime takes by default: max_position_embeddings (the text config's, the model's
+    own where both state one, the smaller), or None when neither does."""
+    values = [getattr(c, "max_position_embeddings", None) for c in (config, getattr(config, "text_config", None))]
+    values = [v for v in values if isinstance(v, int) and v > 0]
+    return min(values) if values else None
+
+
+def too_long(prompts: list[list[int]], limit: int | None, reserve: int) -> str | None:
+    """Why given prompts cannot run (a prompt and the `reserve` tokens a scenario generates past the context), or
+    None."""
+    over = [i for i, p in enumerate(prompts) if limit is not None and len(p) + reserve > limit]
+    if not over:
+        return None
+    return (f"prompt {over[0]} has {len(prompts[over[0]])} tokens, and the scenarios generate {reserve} more: past "
+            f"the {limit} positions the model holds (max_position_embeddings); give shorter prompts")
+
+
 def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, user_given: bool, config, tokenizer,
                 num_params: int, seed: int, zoo_model=None, max_tokens: int = MAX_TOKENS,
-                max_work: float = MAX_WORK) -> Inputs:
-    """Check the prompts; replace degenerate default ones; add prompts that reach the length features."""
+                max_work: float = MAX_WORK, reserve: int = 0) -> Inputs:
+    """Check the prompts; replace degenerate default ones; cut default ones to the model's context less `reserve`
+    (the tokens a scenario generates past a prompt); add prompts that reach the length features."""
     vocab = (getattr(config, "text_config", None) or config).vocab_size
     unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
     g = torch.Generator().manual_seed(seed + 1)
@@ -128,12 +147,21 @@ def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, use
             inputs.texts[i] = None
         inputs.notes.append(f"default prompt {i} tokenises to {why}: replaced by {len(inputs.prompts[i])} random "
                             f"token ids")
+    max_len = context_limit(config)
+    for i, p in enumerate(inputs.prompts):
+        if not user_given and max_len is not None and len(p) + reserve > max_len:  # a model of few positions
+            inputs.prompts[i] = p[: max(1, max_len - reserve)]
+            if inputs.texts:
+                inputs.texts[i] = None
+            inputs.notes.append(f"default prompt {i} cut from {len(p)} to {len(inputs.prompts[i])} tokens: the model "
+                                f"holds {max_len} positions (max_position_embeddings) and the scenarios generate "
+                                f"{reserve} tokens past a prompt")
     longest = max(len(p) for p in inputs.prompts)
-    max_len = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
     for feature, need in length_features(config, zoo_model):
-        if max_len is not None and need > max_len:  # the runtime refuses longer requests
+        if max_len is not None and need + reserve > max_len:  # the runtime refuses longer requests
             inputs.not_exercised.append(f"{feature}: needs a prompt of {need} tokens, past the model's "
-                                        f"max_position_embeddings {max_len} (the runtime's longest request)")
+                                        f"max_position_embeddings {max_len} (the runtime's longest request)"
+                                        + (f" less the {reserve} tokens generated past it" if reserve else ""))
             continue
         if need <= longest:
             inputs.exercised.append(f"{feature} (prompts of up to {longest} tokens)")

@@ -112,6 +112,26 @@ def test_longrope_decode_crossing_the_switch_is_compared_like_with_like(tmp_path
     assert (first["tap"], first["request"], first["position"]) == ("model.layers.0.self_attn", 0, 14), first
 
 
+def test_a_model_of_few_positions_gets_default_prompts_that_fit(tmp_path, capsys):
+    """GPT-2 with 16 learned positions: the default prompts (up to 29 tokens) are cut to fit with the tokens the
+    scenarios generate (each said), the prefix scenario's extended prompt too, and every scenario passes (before:
+    'prompt of 29 tokens does not fit max_model_len=16' in every scenario); prompts given that do not fit are a
+    usage error before anything loads."""
+    from tiny_configs import TINY_CONFIGS
+
+    path = save_tiny("GPT2LMHeadModel", tmp_path / "gpt2", **{**WIDE, **TINY_CONFIGS["GPT2LMHeadModel"],
+                                                              "max_position_embeddings": 16})
+    result = run_parity(path)
+    assert result.passed, {n: (s.failures, s.first_divergence) for n, s in result.scenarios.items() if not s.passed}
+    assert max(len(p) for p in result.prompts) == 12  # 16 positions less the 4 generated tokens
+    assert any(n.startswith("default prompt 1 cut from 29 to 12 tokens: the model holds 16 positions")
+               for n in result.inputs["notes"]), result.inputs["notes"]
+    (tmp_path / "p.json").write_text(json.dumps([list(range(3, 16)), list(range(20, 26))]))
+    assert zoo_main(["parity", str(path), "--prompts", str(tmp_path / "p.json"), "--quiet"]) == 2
+    assert ("prompt 0 has 13 tokens, and the scenarios generate 4 more: past the 16 positions the model holds"
+            in capsys.readouterr().err)
+
+
 def test_dynamic_rope_past_the_runtime_length_is_not_exercised(tmp_path):
     path = save_tiny("LlamaForCausalLM", tmp_path, max_position_embeddings=32,
                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, **WIDE)
