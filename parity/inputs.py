@@ -159,9 +159,10 @@ def plan_inputs(prompts: list[list[int]], texts: list[str | None] | None, *, use
     longest = max(len(p) for p in inputs.prompts)
     for feature, need in length_features(config, zoo_model):
         if max_len is not None and need + reserve > max_len:  # the runtime refuses longer requests
-            inputs.not_exercised.append(f"{feature}: needs a prompt of {need} tokens, past the model's "
-                                        f"max_position_embeddings {max_len} (the runtime's longest request)"
-                                        + (f" less the {reserve} tokens generated past it" if reserve else ""))
+            inputs.not_exercised.append(f"{feature}: needs a prompt of {need} tokens"
+                                        + (f" and {reserve} generated past it" if reserve else "")
+                                        + f", past the model's max_position_embeddings {max_len} (the runtime's "
+                                          f"longest request)")
             continue
         if need <= longest:
             inputs.exercised.append(f"{feature} (prompts of up to {longest} tokens)")

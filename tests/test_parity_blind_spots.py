@@ -137,8 +137,9 @@ def test_dynamic_rope_past_the_runtime_length_is_not_exercised(tmp_path):
                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, **WIDE)
     result = run_parity(path, scenarios=("prefill",))
     assert result.passed
-    assert result.inputs["not_exercised"] == ["rope dynamic past 32 positions: needs a prompt of 33 tokens, past the "
-                                              "model's max_position_embeddings 32 (the runtime's longest request)"]
+    assert result.inputs["not_exercised"] == ["rope dynamic past 32 positions: needs a prompt of 33 tokens and 4 "
+                                              "generated past it, past the model's max_position_embeddings 32 (the "
+                                              "runtime's longest request)"]
 
 
 # -- 3, 4, 5. the runtime's bookkeeping, the sampled row, the served path ------------------------------------------
