@@ -304,7 +304,10 @@ def test_html_report_renders_in_headless_chromium(llama, tmp_path):
     for left, width in grids:
         assert int(left) >= int(width) + 4 > 4, (left, width)
     assert dom.count('class="legend"') == 2 and "not compared: outside the scenario" in dom
-    assert dom.count('class="kl-tol"') == 2 and 'data-tol="0.000001"' in dom.replace("1e-6", "0.000001")
+    from parity.tolerances import tolerances
+
+    drawn = [float(t) for t in re.findall(r'class="kl-tol" data-tol="([^"]+)"', dom)]
+    assert dom.count('class="kl-tol"') == 2 and drawn == [tolerances("dense")["kl_max"]] * 2, drawn
     shot = tmp_path / "report.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                     "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
