@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "checkpoint's name)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once (default 64)")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                        help="how replies hold tool calls (default: the format the chat template renders tools for)")
     from zoo.commands.run import add_model_arguments
 
     add_model_arguments(parser)  # --dtype, --tokenizer, --revision
@@ -58,7 +60,7 @@ def run(args) -> int:
         sock.close()
         return llm
     name = args.served_model_name or llm.files.name
-    app = create_app(llm, served_model_name=name, api_key=args.api_key)
+    app = create_app(llm, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     print(f"zoo serve: serving {name!r} (max_model_len={llm.engine.max_model_len}); listening on "
           f"http://{host}:{port}", file=sys.stderr, flush=True)

@@ -35,8 +35,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
                    "prompt_logprobs")
 UNSUPPORTED = {  # field -> the value that is fine to send (anything else is refused, naming the field)
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "functions": (None, []), "best_of": (None, 1),
 }
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
@@ -67,8 +66,9 @@ def _param_of(message: str, fields: dict[str, str]) -> str | None:
 
 
 class OpenAIServer:
-    def __init__(self, llm, *, served_model_name: str, api_key: str | None = None):
+    def __init__(self, llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None):
         self.llm = llm
+        self.tool_call_parser = tool_call_parser  # (None: the chat template's own format, zoo/runtime/tools.py)
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name
@@ -93,7 +93,7 @@ class OpenAIServer:
                            "model", "not_found_error")
 
     def sampling(self, body: dict, max_tokens, max_tokens_field: str, prompt_len: int, *, logprobs=None,
-                 echo: bool = False) -> SamplingParams:
+                 echo: bool = False, tools=None) -> SamplingParams:
         """The request's SamplingParams. echo (completions): the prompt's logprobs too when logprobs are asked."""
         for name, fine in UNSUPPORTED.items():
             if name in body and body[name] not in fine and not (name == "echo" and echo):
@@ -116,6 +116,13 @@ class OpenAIServer:
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
             raise bad("stop: at most 16 stop strings", "stop")
         kwargs["structured_outputs"] = self.structured(body)
+        held = tools.structured() if tools is not None else None  # tool_choice "required" / a named function
+        if held is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise bad("tool_choice 'required' or a named function holds the reply to the tool call; it takes no "
+                          "other structured output", "tool_choice")
+            self.engine.grammars_for(held)
+            kwargs["structured_outputs"] = held
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as e:
@@ -190,6 +197,15 @@ class OpenAIServer:
         raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                   "prompt")
 
+    def tool_calls(self, body: dict):
+        """The request's tool calling (zoo/runtime/tools.py ToolCalls), or None without tools."""
+        from zoo.runtime.tools import ToolCalls, ToolError
+
+        try:
+            return ToolCalls.of(body, getattr(self.tokenizer, "chat_template", None), self.tool_call_parser)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+
     def chat_prompt(self, body: dict) -> tuple[list[int], list | None]:
         """(prompt token ids, the images or None). Content parts: text, and for a model that takes images,
         {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} as vLLM serves them (a data: URL
@@ -235,11 +251,17 @@ class OpenAIServer:
                 content = ""
             if not isinstance(content, (str, list)):
                 raise bad(f"messages[{i}].content must be a string or a list of content parts", "messages")
-            plain.append({"role": m["role"], "content": content})
+            extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
+            if "tool_calls" in extra and not isinstance(extra["tool_calls"], list):
+                raise bad(f"messages[{i}].tool_calls must be a list", "messages")
+            plain.append({"role": m["role"], "content": content, **extra})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad(f"{self.model_name} has no chat template: use /v1/completions", "messages")
+        from zoo.runtime.tools import for_template
+
         try:
-            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name), images or None
+            return chat_template.apply_chat_template(self.tokenizer, for_template(plain), name=self.model_name,
+                                                     tools=body.get("tools") or None), images or None
         except ValueError as e:
             raise bad(str(e).removesuffix("; use --no-chat"), "messages") from None
 
@@ -308,14 +330,15 @@ class OpenAIServer:
         return out
 
 
-def create_app(llm, *, served_model_name: str, api_key: str | None = None):
+def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None):
     """The FastAPI app; its engine loop starts with the app (lifespan) and stops with it."""
     import contextlib
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key)
+    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key,
+                          tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -438,16 +461,18 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
             raise bad(f"top_logprobs={top!r}: must be an integer in [0, 20]", "top_logprobs")
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        tools = server.tool_calls(body)
         jobs = []
         for j in range(n):
             params = server.sampling(body, body.get(field), field, len(ids),
-                                     logprobs=(top or 0) if want_lp else None)
+                                     logprobs=(top or 0) if want_lp else None, tools=tools)
             if params.seed is not None:
                 params.seed += j
             jobs.append((ids, params, images))
-        return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n)
+        return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n, tools=tools)
 
-    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False):
+    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False,
+                      tools=None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
@@ -458,7 +483,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         want_plp = body.get("prompt_logprobs") is not None  # (echo with logprobs computes them, unasked)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n, echo, want_plp),
+            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n, echo, want_plp, tools),
                                      media_type="text/event-stream")
         finals: dict[int, object] = {}
         try:
@@ -484,7 +509,11 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             choice = {"index": i, "finish_reason": out.finish_reason,
                       "logprobs": server.logprobs_of(out.logprobs, chat, n_top) if out.logprobs is not None else None}
             if chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
+                content, calls = tools.parse(out.text) if tools is not None else (out.text, [])
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
             else:
                 choice["text"] = (server.prompt_text(out) if echo else "") + out.text
                 if echo and choice["logprobs"] is not None:
@@ -502,9 +531,10 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             reply["prompt_logprobs"] = server.prompt_logprobs_of(finals[0].prompt_logprobs)
         return reply
 
-    async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False):
+    async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False, tools=None):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         done: dict[int, object] = {}
+        texts, sent = [""] * len(ids), [0] * len(ids)  # with tools: each choice's text, and how much went as content
         seen = [0] * len(ids)  # logprob entries sent per choice
         started = [False] * len(ids)  # the choice's first chunk (echo's prompt text, prompt_logprobs) is sent
         try:
@@ -526,6 +556,14 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                     lp = server.logprobs_of(item.logprobs[seen[i]:len(item.token_ids)], chat, n_top)
                     seen[i] = len(item.token_ids)
                 choice = {"index": i, "logprobs": lp, "finish_reason": item.finish_reason}
+                if chat and tools is not None:  # text that may begin a tool call is held until the reply ends
+                    texts[i] += item.delta_text
+                    for delta, reason in tool_deltas(tools, texts[i], sent, i, item):
+                        yield sse({**head, "choices": [{**choice, "delta": delta, "finish_reason": reason}]})
+                        choice["logprobs"] = None
+                    if item.finished:
+                        done[i] = item
+                    continue
                 if chat:
                     choice["delta"] = {"content": item.delta_text} if item.delta_text else {}
                 else:
@@ -558,6 +596,34 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                     server.loop.abort(rid_i)
 
     return app
+
+
+def tool_deltas(tools, text: str, sent: list[int], i: int, item):
+    """(delta, finish_reason) chunks of choice i now: content up to where a tool call may begin; once the reply
+    ends, what is left of the content, then each call as OpenAI streams it (its id and name with empty arguments,
+    then the arguments), the last chunk carrying the finish reason."""
+    if not item.finished:
+        start = tools.start(text)
+        limit = len(text) if start is None else start
+        if limit > sent[i]:
+            delta, sent[i] = text[sent[i]:limit], limit
+            yield {"content": delta}, None
+        return
+    content, calls = tools.parse(text)
+    rest = text[sent[i]:] if not calls else (content or "")[sent[i]:] if (content or "").startswith(text[:sent[i]]) \
+        else ""
+    out = [({"content": rest}, None)] if rest else []
+    for k, call in enumerate(calls):
+        fn = call["function"]
+        out.append(({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                     "function": {"name": fn["name"], "arguments": ""}}]}, None))
+        out.append(({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}, None))
+    reason = "tool_calls" if calls and item.finish_reason == "stop" else item.finish_reason
+    if out:
+        out[-1] = (out[-1][0], reason)
+    else:
+        out.append(({}, reason))
+    yield from out
 
 
 def sse(obj: dict) -> str:
