@@ -15,7 +15,9 @@ prompt_logprobs (the response's `prompt_logprobs`: per prompt token None for the
 `echo` (the prompt's text before the completion's; with `logprobs`, the prompt tokens' logprobs first, the
 first one null). Chat messages may hold images as vLLM serves them: image_url parts with data: URLs, for a
 multimodal checkpoint. `n` samples are n engine requests with the same prompt (the prefix cache shares its blocks);
-with a seed, sample j gets seed + j.
+with a seed, sample j gets seed + j. Chat takes OpenAI's tools and tool_choice (zoo/runtime/tools.py: the template
+renders the tools, the reply is parsed into tool_calls, streamed as OpenAI streams them), assistant messages with
+tool_calls and "tool" messages.
 """
 
 import asyncio
@@ -116,13 +118,13 @@ class OpenAIServer:
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
             raise bad("stop: at most 16 stop strings", "stop")
         kwargs["structured_outputs"] = self.structured(body)
-        held = tools.structured() if tools is not None else None  # tool_choice "required" / a named function
-        if held is not None:
-            if kwargs["structured_outputs"] is not None:
-                raise bad("tool_choice 'required' or a named function holds the reply to the tool call; it takes no "
-                          "other structured output", "tool_choice")
-            self.engine.grammars_for(held)
-            kwargs["structured_outputs"] = held
+        if tools is not None:
+            kwargs = {**tools.sampling(), **kwargs}  # (skip_special_tokens given by the client wins)
+            held = self.held(tools)
+            if held is not None and kwargs["structured_outputs"] is not None:
+                raise bad("tool_choice 'required' or a named function holds the reply to the tool calls; it takes "
+                          "no other structured output", "tool_choice")
+            kwargs["structured_outputs"] = held or kwargs["structured_outputs"]
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as e:
@@ -173,6 +175,22 @@ class OpenAIServer:
             raise bad(f"{field}: {str(e).removeprefix('SamplingParams.')}", field) from None
         return spec
 
+    def held(self, tools):
+        """What tool_choice "required" / a named function holds the reply to (compiled here: a tool's parameters
+        schema that does not compile is a 400 naming tools), or None."""
+        from zoo.runtime.tools import ToolError
+
+        try:
+            spec = tools.structured()
+            if spec is not None:
+                self.engine.grammars_for(spec)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        except (ValueError, TypeError) as e:
+            raise bad(f"tools: a function's parameters schema cannot hold the reply ({tools.choice} tool_choice): "
+                      f"{str(e).removeprefix('SamplingParams.structured_outputs.json: ')}", "tools") from None
+        return spec
+
     def n_of(self, body: dict) -> int:
         n = body.get("n", 1)
         n = 1 if n is None else n
@@ -206,8 +224,9 @@ class OpenAIServer:
         except ToolError as e:
             raise bad(str(e), e.param) from None
 
-    def chat_prompt(self, body: dict) -> tuple[list[int], list | None]:
-        """(prompt token ids, the images or None). Content parts: text, and for a model that takes images,
+    def chat_prompt(self, body: dict, tools=None) -> tuple[list[int], list | None]:
+        """(prompt token ids, the images or None); `tools` (ToolCalls) rendered by the template, and the messages'
+        tool_calls / tool_call_id with them. Content parts: text, and for a model that takes images,
         {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} as vLLM serves them (a data: URL
         only: the server neither fetches URLs nor opens paths its clients name)."""
         import base64
@@ -252,16 +271,18 @@ class OpenAIServer:
             if not isinstance(content, (str, list)):
                 raise bad(f"messages[{i}].content must be a string or a list of content parts", "messages")
             extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
-            if "tool_calls" in extra and not isinstance(extra["tool_calls"], list):
-                raise bad(f"messages[{i}].tool_calls must be a list", "messages")
             plain.append({"role": m["role"], "content": content, **extra})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad(f"{self.model_name} has no chat template: use /v1/completions", "messages")
-        from zoo.runtime.tools import for_template
+        from zoo.runtime.tools import ToolError, for_template
 
         try:
-            return chat_template.apply_chat_template(self.tokenizer, for_template(plain), name=self.model_name,
-                                                     tools=body.get("tools") or None), images or None
+            plain = for_template(plain)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        try:
+            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name,
+                                                     tools=tools.tools if tools is not None else None), images or None
         except ValueError as e:
             raise bad(str(e).removesuffix("; use --no-chat"), "messages") from None
 
@@ -405,7 +426,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
         if server.tokenizer is None:
             raise bad(f"{server.model_name} has no tokenizer")
         if "messages" in body:
-            ids = (await asyncio.to_thread(server.chat_prompt, body))[0]
+            ids = (await asyncio.to_thread(server.chat_prompt, body, server.tool_calls(body)))[0]
         elif isinstance(body.get("prompt"), str):
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
@@ -453,7 +474,8 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
     async def chat_completions(request: Request):
         body = await json_body(request)
         n = server.n_of(body)
-        ids, images = await asyncio.to_thread(server.chat_prompt, body)
+        tools = server.tool_calls(body)
+        ids, images = await asyncio.to_thread(server.chat_prompt, body, tools)
         want_lp = body.get("logprobs", False)
         if not isinstance(want_lp, (bool, type(None))):
             raise bad(f"logprobs={want_lp!r}: must be true or false (top_logprobs: how many)", "logprobs")
@@ -461,7 +483,6 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
             raise bad(f"top_logprobs={top!r}: must be an integer in [0, 20]", "top_logprobs")
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        tools = server.tool_calls(body)
         jobs = []
         for j in range(n):
             params = server.sampling(body, body.get(field), field, len(ids),
@@ -513,7 +534,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = calls
-                    choice["finish_reason"] = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+                    choice["finish_reason"] = tools.finish_reason(bool(calls), out.finish_reason)
             else:
                 choice["text"] = (server.prompt_text(out) if echo else "") + out.text
                 if echo and choice["logprobs"] is not None:
@@ -534,7 +555,8 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
     async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False, tools=None):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         done: dict[int, object] = {}
-        texts, sent = [""] * len(ids), [0] * len(ids)  # with tools: each choice's text, and how much went as content
+        parsers = [tools.stream() for _ in ids] if chat and tools is not None else None  # each choice's ToolStream
+        held_lp: list[list] = [[] for _ in ids]  # logprobs of text a ToolStream holds back, sent with its next chunk
         seen = [0] * len(ids)  # logprob entries sent per choice
         started = [False] * len(ids)  # the choice's first chunk (echo's prompt text, prompt_logprobs) is sent
         try:
@@ -556,13 +578,14 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
                     lp = server.logprobs_of(item.logprobs[seen[i]:len(item.token_ids)], chat, n_top)
                     seen[i] = len(item.token_ids)
                 choice = {"index": i, "logprobs": lp, "finish_reason": item.finish_reason}
-                if chat and tools is not None:  # text that may begin a tool call is held until the reply ends
-                    texts[i] += item.delta_text
-                    for delta, reason in tool_deltas(tools, texts[i], sent, i, item):
-                        yield sse({**head, "choices": [{**choice, "delta": delta, "finish_reason": reason}]})
-                        choice["logprobs"] = None
+                if parsers is not None:  # tool calls: content and calls as the reply makes them certain
                     if item.finished:
                         done[i] = item
+                    for chunk in tool_chunks(parsers[i], tools, item, lp, held_lp[i]):
+                        extra = {"prompt_logprobs": server.prompt_logprobs_of(item.prompt_logprobs)} \
+                            if want_plp and not started[i] else {}
+                        started[i] = True
+                        yield sse({**head, "choices": [{"index": i, **chunk}], **extra})
                     continue
                 if chat:
                     choice["delta"] = {"content": item.delta_text} if item.delta_text else {}
@@ -598,32 +621,20 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
     return app
 
 
-def tool_deltas(tools, text: str, sent: list[int], i: int, item):
-    """(delta, finish_reason) chunks of choice i now: content up to where a tool call may begin; once the reply
-    ends, what is left of the content, then each call as OpenAI streams it (its id and name with empty arguments,
-    then the arguments), the last chunk carrying the finish reason."""
-    if not item.finished:
-        start = tools.start(text)
-        limit = len(text) if start is None else start
-        if limit > sent[i]:
-            delta, sent[i] = text[sent[i]:limit], limit
-            yield {"content": delta}, None
-        return
-    content, calls = tools.parse(text)
-    rest = text[sent[i]:] if not calls else (content or "")[sent[i]:] if (content or "").startswith(text[:sent[i]]) \
-        else ""
-    out = [({"content": rest}, None)] if rest else []
-    for k, call in enumerate(calls):
-        fn = call["function"]
-        out.append(({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                     "function": {"name": fn["name"], "arguments": ""}}]}, None))
-        out.append(({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}, None))
-    reason = "tool_calls" if calls and item.finish_reason == "stop" else item.finish_reason
-    if out:
-        out[-1] = (out[-1][0], reason)
-    else:
-        out.append(({}, reason))
-    yield from out
+def tool_chunks(parser, tools, item, lp, held: list) -> list[dict]:
+    """This step's chunks (delta, logprobs, finish_reason) of a chat choice parsed for tool calls: what its
+    ToolStream lets out; the logprobs of text held back go with the next chunk, the finish reason with the last."""
+    held += lp["content"] if lp is not None else []
+    deltas = parser.feed(item.text, item.finished)
+    if item.finished and not deltas:
+        deltas = [{}]
+    chunks = []
+    for k, delta in enumerate(deltas):
+        last = item.finished and k == len(deltas) - 1
+        chunks.append({"delta": delta, "logprobs": {"content": list(held)} if held else None,
+                       "finish_reason": tools.finish_reason(parser.made > 0, item.finish_reason) if last else None})
+        held.clear()
+    return chunks
 
 
 def sse(obj: dict) -> str:
