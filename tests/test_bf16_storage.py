@@ -4,14 +4,13 @@ stacks) and the KV caches in bfloat16 and computes in float32 (zoo.build.storage
 what transformers float32 computes on it, except that the cache rounds what it keeps: k and v (a latent cache's
 normalised latent and rope key) to bfloat16. The reference is transformers float32 with exactly that rounding
 (tests/rounded_reference.cache_rounded), so what is left between them is the order of float32 sums: greedy tokens
-equal, the log-probability of every generated token within TOL, on the path users run (the fused native step where
-the model takes it, else the modules on the native kernels) and on the torch path (kernels off). A bfloat16
-activation anywhere would part them by ~1e-2 (what rounding the cache alone, not the reference, does: measured on
-DeepSeek-V3's latent, 2.4e-2). The multimodal models run with images: their vision towers' matrices are bfloat16
+equal and log-probabilities as `judge` bounds them, on the path users run (the fused native step where the model takes
+it, else the modules on the native kernels) and on the torch path (kernels off). The multimodal models run with images: their vision towers' matrices are bfloat16
 too, and keep no cache.
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,14 @@ from zoo.runtime.engine import LLMEngine
 from zoo.runtime.sampling_params import SamplingParams
 
 BF16 = torch.bfloat16
-TOL = 3e-3  # |log-probability| difference per generated token (measured: <= 1e-3, most ~1e-5)
+# |log-probability| differences of the generated tokens. A sum in another order (the native kernels', another CPU's
+# vector width) now and then lands one k or v value on the other side of a bfloat16 rounding step, and every later
+# token of that request reads it: up to 6.6e-3 (Qwen2-VL's text request on an AVX2 machine; 2.4e-3 SmolLM3, the rest
+# <= 6e-4). A rounding that is a bug (any activation rounded to bfloat16: every Linear's output planted rounded) moves
+# every request's tokens: median 8.5e-4 to 0.44 over 28 architectures, where a correct model's is <= 9.4e-6. So the
+# typical token is held tight and the worst loosely.
+TYPICAL = 1e-4  # the median over every generated token of every prompt (~10x over the worst measured)
+FLIP = 2e-2  # every token (3x over the worst flip measured)
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 12, 64, 31, 9, 100, 23, 54], [11, 22, 33, 44, 55], [7, 3, 120]]
 STEPS = 10
 ARCHS = [a for a in TINY_CONFIGS if not a.endswith("ForConditionalGeneration")]  # (multimodal: text-only elsewhere)
@@ -46,6 +52,13 @@ def to_bf16(path: Path) -> Path:
         save_file({k: v.to(BF16) if v.is_floating_point() else v for k, v in tensors.items()}, f,
                   metadata={"format": "pt"})
     return path
+
+
+def judge(what: str, diffs: list[float]) -> None:
+    """diffs: |zoo - reference| log-probability of each generated token of each prompt."""
+    typical, worst = statistics.median(diffs), max(diffs)
+    assert typical <= TYPICAL and worst <= FLIP, (f"{what}: log-probabilities part by {typical:.2e} (median), "
+                                                  f"{worst:.2e} (worst); bounds {TYPICAL:g}, {FLIP:g}")
 
 
 def generate(model, fast: bool):
@@ -84,12 +97,12 @@ def test_bf16_storage_computes_what_float32_computes_on_the_rounded_cache(arch, 
         logprobs = [torch.log_softmax(ref(torch.tensor([w])).logits[0].float(), -1) for w in want]
     for fast in ([True, False] if kernels.enabled() else [False]):
         outs, path_taken = generate(model, fast)
+        diffs = []
         for out, prompt, seq, lp in zip(outs, PROMPTS, want, logprobs):
             assert out.token_ids == seq[len(prompt):], f"{arch} ({path_taken}) prompt {prompt}"
-            got = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
-            ref_lp = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out.token_ids)]
-            worst = max(abs(a - b) for a, b in zip(got, ref_lp))
-            assert worst <= TOL, f"{arch} ({path_taken}) prompt {prompt}: log-probabilities part by {worst:.2e}"
+            diffs += [abs(d[t] - lp[len(prompt) - 1 + j, t].item()) for j, (t, d) in
+                      enumerate(zip(out.token_ids, out.logprobs))]
+        judge(f"{arch} ({path_taken})", diffs)
 
 
 IMAGES = [random_image(0), drawn_image(1), drawn_image(2, (30, 70))]
@@ -103,7 +116,7 @@ MULTIMODAL = {  # name -> (save, the placeholder in a prompt, processor inputs f
 def test_bf16_storage_with_images(name, tmp_path):
     """LLaVA (CLIP tower) and Qwen2-VL (its vision transformer, M-RoPE) from bfloat16 checkpoints, one and two images
     and a text-only request in one batch through the runtime: transformers float32's tokens with the language
-    model's cache rounded, log-probabilities within TOL."""
+    model's cache rounded, log-probabilities as `judge` bounds them."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from zoo import LLM, SamplingParams
@@ -120,6 +133,7 @@ def test_bf16_storage_with_images(name, tmp_path):
     ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ref.generation_config.eos_token_id = None
     processor = None if inputs_of else AutoProcessor.from_pretrained(path)
+    diffs = []
     for (text, images), out in zip(prompts, outs):
         inputs = inputs_of(path, text, images) if inputs_of else dict(
             processor(text=[text], images=images or None, return_tensors="pt"))
@@ -133,5 +147,5 @@ def test_bf16_storage_with_images(name, tmp_path):
             ref.model.rope_deltas = None  # (Qwen2-VL keeps generate's M-RoPE offsets: computed anew for this input)
             lp = torch.log_softmax(ref(**whole).logits[0].float(), -1)
         assert out.token_ids == want[n:].tolist(), f"{name}: {text}"
-        worst = max(abs(d[t] - lp[n - 1 + j, t].item()) for j, (t, d) in enumerate(zip(out.token_ids, out.logprobs)))
-        assert worst <= TOL, f"{name}: {text}: log-probabilities part by {worst:.2e}"
+        diffs += [abs(d[t] - lp[n - 1 + j, t].item()) for j, (t, d) in enumerate(zip(out.token_ids, out.logprobs))]
+    judge(name, diffs)
