@@ -446,10 +446,12 @@ def test_bad_tool_requests_are_a_400_naming_the_field(served):
 @pytest.mark.parametrize("parser", [None, "hermes"])
 def test_a_template_without_tools(dirs, parser):
     """Tools for a model whose template renders none: a 400 naming tools, unless --tool-call-parser says how to
-    read its replies (then a held call works as on any model)."""
+    read its replies (then a held call works as on any model); given as vLLM takes it, with
+    --enable-auto-tool-choice."""
     from test_serve import KEY, serving
 
-    with serving(dirs["plain"], *(["--tool-call-parser", parser] if parser else [])) as url:
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
+    with serving(dirs["plain"], *flags) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         msgs = [{"role": "user", "content": "x"}]
         if parser is None:
