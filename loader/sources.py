@@ -8,11 +8,12 @@ Safetensors headers are parsed here (8-byte length + JSON), so a plan needs no t
 maps at most a 64 MiB window of one tensor's bytes and unmaps it after the copy into the destination (no
 mapped pages stay resident): that keeps a load's peak memory at about the weight bytes.
 
-A checkpoint is untrusted input. Before a file is opened: an index's shard names are plain file names, each
-file resolves inside the checkpoint directory (or, for a hub snapshot, its repository's blobs/), and is a
-regular file (no FIFO, no device). Headers are checked as safetensors checks them (size capped, no duplicate
-keys, data contiguous and inside the file, each tensor's bytes = shape x dtype size); every check runs once,
-from the headers, so a plan finds what a load would. No message quotes a file's bytes.
+A checkpoint is untrusted input. Before a file is opened: an index's shard names are plain file names (no
+directory part, no '..'), each file is named directly in the checkpoint directory and is, symlinks followed
+wherever they point, a regular file (no FIFO, no device, no directory; a dangling link is named as one).
+Headers are checked as safetensors checks them (size capped, no duplicate keys, data contiguous and inside the
+file, each tensor's bytes = shape x dtype size); every check runs once, from the headers, so a plan finds what
+a load would. No message quotes a file's bytes.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class SafetensorsSource(Source):
         weight_map = _weight_map(index) if index else None
         holdings, bad = {}, {}
         for f in files:
-            if f.exists():
+            if os.path.lexists(f):  # (a dangling link too: named as one when opened)
                 holdings[f], bad[f] = _read_header(f, self.directory, trusted=f == named)
         key_file = _cross_check(self.directory, index, weight_map, {f: list(h) for f, h in holdings.items()},
                                 files, self.problems)
@@ -281,7 +282,7 @@ class BinSource(Source):
         super().__init__(directory, files)
         self._dicts: dict[Path, dict] = {}
         for f in files:
-            if f.exists():
+            if os.path.lexists(f):
                 os.close(_open_regular(f, _rel(f, self.directory), self.directory))
                 sd = _torch_load(f, _rel(f, self.directory))
                 self._dicts[f] = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
@@ -362,7 +363,7 @@ def _open_local(path: Path, allow_bin: bool, quantized: bool = False) -> Source:
     if (path / "pytorch_model.bin.index.json").exists() or sorted(path.glob("*.bin")):
         return _open_bin(path, allow_bin, None)
     if len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        check_file(ggufs[0], path)  # (found in the directory, not named: it must live there)
+        check_file(ggufs[0], path)  # (found in the directory, not named: a regular file, links followed)
         return _open_local(ggufs[0], allow_bin, quantized)
     raise SourceError([], f"no weights in {path}: looked for model.safetensors, model.safetensors.index.json, "
                           f"*.safetensors, one *.gguf (and pytorch_model*.bin with allow_bin=True)")
@@ -387,25 +388,24 @@ def _open_bin(directory: Path, allow_bin: bool, file: Path | None) -> BinSource:
 
 
 # -- untrusted files: where they are, what they are ----------------------------------------------------
-def _roots(directory: Path) -> list[str]:
-    """The real directories a checkpoint's files may resolve into: its own, and for a hub snapshot
-    (<repo>/snapshots/<revision>/, whose files are symlinks into <repo>/blobs/) the repository's blobs."""
-    real = os.path.realpath(directory)
-    roots = [real]
-    if os.path.basename(os.path.dirname(real)) == "snapshots":
-        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
-    return roots
-
-
 def check_file(f: Path, directory: Path, name: str | None = None) -> None:
-    """Refuse (SourceError) a file of the checkpoint in `directory` that resolves outside it (or outside the
-    hub snapshot's blobs/), or that is not a regular file; nothing is opened."""
+    """Refuse (SourceError) a file of the checkpoint in `directory` that is not named directly in it (a '..' or a
+    subdirectory in the name), or that is not a regular file; nothing is opened. A symlink is followed wherever it
+    points, as transformers and vLLM follow it (weights kept on shared storage, linked from a cache, a hub
+    snapshot's links into its blobs/): only its target's kind is checked, and a dangling link is named as one."""
     name = name or _rel(f, directory)
-    real = os.path.realpath(f)
-    if not any(os.path.commonpath([real, r]) == r for r in _roots(directory)):
-        raise SourceError([], f"{name} in {directory} resolves to a path outside the checkpoint directory "
-                              f"(a symlink or '..'): refused, nothing was opened")
-    _check_regular(os.stat(real).st_mode, name)
+    if os.path.dirname(os.path.abspath(f)) != os.path.abspath(directory):
+        raise SourceError([], f"{name} is not a file directly in {directory}: refused, nothing was opened")
+    try:
+        mode = os.stat(f).st_mode
+    except FileNotFoundError:
+        if os.path.islink(f):
+            raise SourceError([], f"{name} in {directory} is a symbolic link to nothing (its target does not "
+                                  f"exist): refused") from None
+        raise SourceError([], f"{name} is not in {directory}") from None
+    except OSError as e:  # a link loop, a permission
+        raise SourceError([], f"{name} in {directory} cannot be read ({e.strerror or type(e).__name__})") from None
+    _check_regular(mode, name)
 
 
 def _check_regular(mode: int, name: str) -> None:

@@ -110,33 +110,62 @@ def traversal_to_a_real_shard(d, out):
     return str(d), [key, "model.safetensors.index.json", "not a plain file name"]
 
 
-def symlink_to_a_real_shard(d, out):
-    shard = shards(d)[0]
-    shutil.move(shard, out / shard.name)
-    shard.symlink_to(out / shard.name)
-    return str(d), [shard.name, "outside the checkpoint directory"]
-
-
 def symlink_to_a_secret(d, out):
+    """A shard that links to a regular file which is no safetensors file: followed (as transformers follows it),
+    read as a header and refused, no byte of it printed."""
     shard = shards(d)[0]
     shard.unlink()
     shard.symlink_to(out / "secret.txt")
-    return str(d), [shard.name, "outside the checkpoint directory"]
+    return str(d), [shard.name, "100 MB"]
 
 
 def symlinked_config(d, out):
     (d / "config.json").unlink()
     (d / "config.json").symlink_to(out / "secret.txt")
-    return str(d), ["config.json", "outside the checkpoint directory"]
+    return str(d), ["config.json", "not JSON"]
 
 
-def gguf_symlink_outside(d, out):
-    """A directory whose one .gguf links to a (valid) GGUF elsewhere."""
+def gguf_symlink_to_a_secret(d, out):
+    """A directory whose one .gguf links to a regular file elsewhere that is no GGUF."""
     shutil.rmtree(d)
     d.mkdir()
-    (out / "other.gguf").write_bytes(gguf_bytes())
-    (d / "model.gguf").symlink_to(out / "other.gguf")
-    return str(d), ["model.gguf", "outside the checkpoint directory"]
+    (d / "model.gguf").symlink_to(out / "secret.txt")
+    return str(d), ["model.gguf", "not a GGUF file"]
+
+
+def symlink_to_a_fifo(d, out):
+    shard = shards(d)[0]
+    shard.unlink()
+    os.mkfifo(out / "fifo")
+    shard.symlink_to(out / "fifo")
+    return str(d), [shard.name, "a FIFO, not a regular file"]
+
+
+def symlink_to_a_directory(d, out):
+    shard = shards(d)[0]
+    shard.unlink()
+    shard.symlink_to(out, target_is_directory=True)
+    return str(d), [shard.name, "a directory, not a regular file"]
+
+
+def symlinked_config_to_a_fifo(d, out):
+    (d / "config.json").unlink()
+    os.mkfifo(out / "fifo")
+    (d / "config.json").symlink_to(out / "fifo")
+    return str(d), ["config.json", "a FIFO, not a regular file"]
+
+
+def dangling_symlink(d, out):
+    shard = shards(d)[0]
+    shard.unlink()
+    shard.symlink_to(out / "gone.safetensors")
+    return str(d), [shard.name, "a symbolic link to nothing"]
+
+
+def dangling_config(d, out):
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to(out / "gone.json")
+    return str(d), ["config.json", "a symbolic link to nothing"]
 
 
 def fifo_shard(d, out):
@@ -354,10 +383,12 @@ def nan_weights(d, out):
     return str(d), [key, shard.name, "NaN/Inf"]
 
 
-SECURITY = [traversal, absolute, dev_zero, traversal_to_a_real_shard, symlink_to_a_real_shard,
-            symlink_to_a_secret, symlinked_config, gguf_symlink_outside, fifo_shard, fifo_index, fifo_config]
+SECURITY = [traversal, absolute, dev_zero, traversal_to_a_real_shard, symlink_to_a_secret, symlinked_config,
+            gguf_symlink_to_a_secret, symlink_to_a_fifo, symlink_to_a_directory, symlinked_config_to_a_fifo,
+            dangling_symlink, dangling_config, fifo_shard, fifo_index, fifo_config]
+NO_API = (symlinked_config, symlinked_config_to_a_fifo, dangling_config, fifo_config)  # (the loader API reads no config)
 CASES = (
-    [Case(f.__name__, f, 2, None, security=True, api=f not in (symlinked_config, fifo_config)) for f in SECURITY]
+    [Case(f.__name__, f, 2, None, security=True, api=f not in NO_API) for f in SECURITY]
     + [Case(f.__name__, f, 1, None) for f in (truncated, overlapping, duplicate_key, wrong_byte_count)]
     + [Case(f.__name__, f, 2, None) for f in (huge_header_length, sparse_3gib_header, nesting_bomb_header,
                                               header_not_json)]
@@ -500,6 +531,44 @@ def test_a_hub_snapshot_whose_files_link_into_blobs_loads(base, tmp_path):
         (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
     report = api(str(snap))
     assert report.tensors == len(open_source(base).keys())
+
+
+def linked_copy(src: Path, linked: Path, store: Path) -> Path:
+    """`linked`: every file of `src` a symlink to its copy in `store` (shared storage, a cache), by another name."""
+    linked.mkdir()
+    store.mkdir(exist_ok=True)
+    for f in sorted(src.iterdir()):
+        shutil.copy(f, store / f"blob-{f.name}")
+        (linked / f.name).symlink_to(store / f"blob-{f.name}")
+    return linked
+
+
+def test_weights_linked_from_elsewhere_load_equal_to_the_files_themselves(base, tmp_path):
+    """Shards, index, config and tokenizer linked from another directory, and a single model.safetensors linked
+    likewise: followed as transformers and vLLM follow them. Every tensor equals the unlinked load's, and the LLM
+    (config and tokenizer read through the links) gives the unlinked one's greedy tokens."""
+    from test_cli_run import save_word_tokenizer
+    from zoo import LLM, SamplingParams
+
+    single = save_word_tokenizer(save_tiny("LlamaForCausalLM", tmp_path / "single"))
+    for src in (base, single):
+        linked = linked_copy(src, tmp_path / f"linked-{src.name}", tmp_path / "store")
+        assert all((linked / f.name).is_symlink() for f in src.iterdir())
+        want, got = api_cpu(str(src)), api_cpu(str(linked))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        assert LLM(str(linked)).generate(["w1 w2 w3"], params)[0].token_ids == \
+            LLM(str(src)).generate(["w1 w2 w3"], params)[0].token_ids
+    assert main(["inspect", str(tmp_path / "linked-m")]) == 0
+
+
+def api_cpu(target: str) -> dict[str, torch.Tensor]:
+    """The loader API into transformers' Llama on the CPU (random init first): its state dict after the load."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    load(model, target)
+    return model.state_dict()
 
 
 def test_a_valid_hand_written_gguf_reads_back(tmp_path):

@@ -104,6 +104,25 @@ def test_logit_bias_allowed_token_ids_and_include_stop_str(llm):
         llm.generate(words(3), SamplingParams(allowed_token_ids=[999]))
 
 
+def test_a_stop_token_ends_the_text_without_its_own(llm, tmp_path):
+    """As vLLM's: a stop token (stop_token_ids, EOS) is the last of token_ids but its text is not in the output
+    (include_stop_str_in_output keeps it), with skip_special_tokens=False too (EOS's '</s>' was in the text)."""
+    from byte_tiny import save_byte_model
+
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    free = llm.generate(words(3), SamplingParams(**greedy))[0]
+    i = next(i for i, t in enumerate(free.token_ids) if i and t not in free.token_ids[:i])
+    stop = free.token_ids[i]
+    cut, kept = llm.generate([words(3)] * 2, [SamplingParams(stop_token_ids=[stop], **greedy), SamplingParams(
+        stop_token_ids=[stop], include_stop_str_in_output=True, **greedy)])
+    assert cut.token_ids == kept.token_ids == free.token_ids[:i + 1] and cut.stop_reason == stop
+    assert free.text.startswith(kept.text) and kept.text.startswith(cut.text)
+    assert kept.text[len(cut.text):].strip() == llm.tokenizer.decode([stop])  # the stop token's word, kept only
+    byte = LLM(str(save_byte_model(tmp_path)))
+    eos = byte.generate("hi", SamplingParams(temperature=0, skip_special_tokens=False, logit_bias={1: 100.0}))[0]
+    assert (eos.token_ids, eos.text, eos.finish_reason) == ([1], "", "stop")
+
+
 # -- prompt_logprobs: against transformers' logits of the prompt ------------------------------------------
 
 def reference_prompt_logprobs(model_dir, ids: list[int]):

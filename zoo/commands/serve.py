@@ -5,9 +5,10 @@
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (stream: true for server-sent events), /health,
-/metrics (Prometheus). One engine loop batches every connection's requests (zoo.runtime.engine_loop).
---port 0 takes a free port; the line "zoo serve: listening on http://HOST:PORT" on stderr says which.
+Routes: /v1/models, /v1/completions, /v1/chat/completions (stream: true for server-sent events; tools and
+tool_choice: zoo/runtime/tools.py), /health, /metrics (Prometheus). One engine loop batches every connection's
+requests (zoo.runtime.engine_loop). --port 0 takes a free port; the line "zoo serve: serving ... (..., tool calls:
+FORMAT); listening on http://HOST:PORT" on stderr says which, and how replies are read for tool calls.
 Exit status: 0 after Ctrl-C, 1 a loader finding, 2 usage or environment error.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+
+from zoo.runtime.tools import FORMATS, detect_format
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "checkpoint's name)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once (default 64)")
+    parser.add_argument("--tool-call-parser", choices=FORMATS, default=None,
+                        help="how the model's replies hold tool calls (default: the format its chat template renders "
+                             "tools for; a template that renders none takes no tools without it)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, accepted: tool_choice 'auto' is on whenever tools can be parsed")
     from zoo.commands.run import add_model_arguments
 
     add_model_arguments(parser)  # --dtype, --tokenizer, --revision
@@ -58,10 +66,11 @@ def run(args) -> int:
         sock.close()
         return llm
     name = args.served_model_name or llm.files.name
-    app = create_app(llm, served_model_name=name, api_key=args.api_key)
+    app = create_app(llm, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
-    print(f"zoo serve: serving {name!r} (max_model_len={llm.engine.max_model_len}); listening on "
-          f"http://{host}:{port}", file=sys.stderr, flush=True)
+    tools = args.tool_call_parser or detect_format(getattr(llm.tokenizer, "chat_template", None)) or "none"
+    print(f"zoo serve: serving {name!r} (max_model_len={llm.engine.max_model_len}, tool calls: {tools}); "
+          f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     server.run(sockets=[sock])
     return 0

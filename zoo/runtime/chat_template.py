@@ -19,9 +19,10 @@ class TemplateTimeout(Exception):
     pass
 
 
-def apply_chat_template(tokenizer, messages: list[dict], *, seconds: float = SECONDS, name: str = "the model"
-                        ) -> list[int]:
-    """Token ids of a chat with the generation prompt appended; ValueError naming the template's fault."""
+def apply_chat_template(tokenizer, messages: list[dict], *, seconds: float = SECONDS, name: str = "the model",
+                        tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat with the generation prompt appended (`tools`: OpenAI's, rendered by the template);
+    ValueError naming the template's fault."""
     deadline = time.monotonic() + seconds
 
     def check(frame, event, arg):
@@ -32,7 +33,8 @@ def apply_chat_template(tokenizer, messages: list[dict], *, seconds: float = SEC
     previous = sys.gettrace()
     sys.settrace(check)
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        kw = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
     except TemplateTimeout:
         raise ValueError(f"the chat template of {name} did not finish rendering within {seconds:g} s "
                          f"(a template that loops?); use --no-chat") from None

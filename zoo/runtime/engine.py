@@ -310,7 +310,11 @@ class LLMEngine:
         delta, text = "", ""
         detok = self.detokenizers.get(req.request_id)
         if detok is not None:
-            delta = detok.add_tokens([token] if token is not None else [])
+            # a stop token (EOS, stop_token_ids) ends the output without its text, as vLLM's does (with
+            # skip_special_tokens=False the text would end in '</s>'), unless include_stop_str_in_output
+            stop_token = req.finished and req.finish_reason == "stop" and token is not None and \
+                req.stop_reason == token and not req.sampling_params.include_stop_str_in_output
+            delta = detok.add_tokens([token] if token is not None and not stop_token else [])
             if detok.stop_string is not None and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, detok.stop_string)
             if req.finished:

@@ -161,14 +161,21 @@ class LLM:
         self.engine, self.tokenizer, self.model, self.config = engine, engine.tokenizer, engine.model, engine.config
         return self
 
-    def apply_chat_template(self, messages: list[dict], *, seconds: float = chat_template.SECONDS) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) with the generation prompt appended; a template that
-        fails or does not finish within `seconds` is a ValueError (zoo.runtime.chat_template)."""
+    def apply_chat_template(self, messages: list[dict], *, seconds: float = chat_template.SECONDS,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat (list of {"role", "content"}) with the generation prompt appended; `tools`: OpenAI's
+        tool definitions, rendered by the template (assistant messages' tool_calls arguments may be JSON strings, as
+        OpenAI sends them). A template that fails or does not finish within `seconds` is a ValueError
+        (zoo.runtime.chat_template)."""
+        from zoo.runtime.tools import for_template
+
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError(f"tools must be a list of tool definitions, not {type(tools).__name__}")
         files = getattr(self, "files", None)
-        return chat_template.apply_chat_template(self.tokenizer, messages, seconds=seconds,
-                                                 name=files.name if files is not None else "the model")
+        return chat_template.apply_chat_template(self.tokenizer, for_template(messages), seconds=seconds,
+                                                 name=files.name if files is not None else "the model", tools=tools)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -252,18 +259,21 @@ class LLM:
             return [_merged([final[rid] for rid in group]) for group in groups]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"}) or to each of a
         list of them, through the model's chat template. Image parts in a message's content ({"type": "image",
         "image": a path or PIL image}, vLLM's "image_url" with a path or a data: URL) become the model's image
-        tokens and go with the prompt (zoo.runtime.multimodal.chat_images)."""
+        tokens and go with the prompt (zoo.runtime.multimodal.chat_images). `tools` (OpenAI's definitions) are
+        rendered by the template, as vLLM's LLM.chat does; the reply is text (zoo.runtime.tools.ToolCalls parses
+        it, as zoo serve does)."""
         from zoo.runtime.multimodal import chat_images
 
         one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
         prompts = []
         for chat in [messages] if one else list(messages):
             rendered, images = chat_images(list(chat))
-            ids = self.apply_chat_template(rendered)
+            ids = self.apply_chat_template(rendered, tools=tools)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params)
 

@@ -93,15 +93,15 @@ def resolve_model(model: str | os.PathLike | None, *, revision: str | None = Non
             raise ModelNotFound(f"{path}: a model file must be a .gguf; for safetensors give the directory")
         return _gguf(path)
     if path.is_dir():
+        _check_side_files(path)  # (first: a dangling config.json is named as one, not as absent)
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
             from loader.sources import check_file
 
-            check_file(ggufs[0], path)  # (found in the directory, not named: it must live there)
+            check_file(ggufs[0], path)  # (found in the directory, not named: a regular file, links followed)
             return _gguf(ggufs[0])
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path}: no config.json (not a Hugging Face model directory)")
-        _check_side_files(path)
         return ModelFiles(path, path, None, str(path.resolve()))
     name = str(model)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
@@ -133,9 +133,8 @@ def resolve_tokenizer(tokenizer: str | os.PathLike) -> ModelFiles:
 
 
 def _check_side_files(directory: Path) -> None:
-    """The config and tokenizer files transformers will read are regular files inside the directory (or the
-    hub snapshot's blobs/): a FIFO would hang it, a symlink out would read another directory's file.
-    Raises loader.SourceError."""
+    """The config and tokenizer files transformers will read are regular files (symlinks followed, as transformers
+    follows them): a FIFO would hang it, a dangling link would be an obscure error. Raises loader.SourceError."""
     from loader.sources import check_file
 
     for name in SIDE_FILES:

@@ -15,7 +15,9 @@ prompt_logprobs (the response's `prompt_logprobs`: per prompt token None for the
 `echo` (the prompt's text before the completion's; with `logprobs`, the prompt tokens' logprobs first, the
 first one null). Chat messages may hold images as vLLM serves them: image_url parts with data: URLs, for a
 multimodal checkpoint. `n` samples are n engine requests with the same prompt (the prefix cache shares its blocks);
-with a seed, sample j gets seed + j.
+with a seed, sample j gets seed + j. Chat takes OpenAI's tools and tool_choice (zoo/runtime/tools.py: the template
+renders the tools, the reply is parsed into tool_calls, streamed as OpenAI streams them), assistant messages with
+tool_calls and "tool" messages.
 """
 
 import asyncio
@@ -35,8 +37,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
                    "prompt_logprobs")
 UNSUPPORTED = {  # field -> the value that is fine to send (anything else is refused, naming the field)
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "functions": (None, []), "best_of": (None, 1),
 }
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
@@ -67,8 +68,9 @@ def _param_of(message: str, fields: dict[str, str]) -> str | None:
 
 
 class OpenAIServer:
-    def __init__(self, llm, *, served_model_name: str, api_key: str | None = None):
+    def __init__(self, llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None):
         self.llm = llm
+        self.tool_call_parser = tool_call_parser  # (None: the chat template's own format, zoo/runtime/tools.py)
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name
@@ -93,7 +95,7 @@ class OpenAIServer:
                            "model", "not_found_error")
 
     def sampling(self, body: dict, max_tokens, max_tokens_field: str, prompt_len: int, *, logprobs=None,
-                 echo: bool = False) -> SamplingParams:
+                 echo: bool = False, tools=None) -> SamplingParams:
         """The request's SamplingParams. echo (completions): the prompt's logprobs too when logprobs are asked."""
         for name, fine in UNSUPPORTED.items():
             if name in body and body[name] not in fine and not (name == "echo" and echo):
@@ -116,6 +118,13 @@ class OpenAIServer:
         if isinstance(kwargs.get("stop"), (list, tuple)) and len(kwargs["stop"]) > 16:
             raise bad("stop: at most 16 stop strings", "stop")
         kwargs["structured_outputs"] = self.structured(body)
+        if tools is not None:
+            kwargs = {**tools.sampling(), **kwargs}  # (skip_special_tokens given by the client wins)
+            held = self.held(tools)
+            if held is not None and kwargs["structured_outputs"] is not None:
+                raise bad("tool_choice 'required' or a named function holds the reply to the tool calls; it takes "
+                          "no other structured output", "tool_choice")
+            kwargs["structured_outputs"] = held or kwargs["structured_outputs"]
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as e:
@@ -166,6 +175,22 @@ class OpenAIServer:
             raise bad(f"{field}: {str(e).removeprefix('SamplingParams.')}", field) from None
         return spec
 
+    def held(self, tools):
+        """What tool_choice "required" / a named function holds the reply to (compiled here: a tool's parameters
+        schema that does not compile is a 400 naming tools), or None."""
+        from zoo.runtime.tools import ToolError
+
+        try:
+            spec = tools.structured()
+            if spec is not None:
+                self.engine.grammars_for(spec)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        except (ValueError, TypeError) as e:
+            raise bad(f"tools: a function's parameters schema cannot hold the reply ({tools.choice} tool_choice): "
+                      f"{str(e).removeprefix('SamplingParams.structured_outputs.json: ')}", "tools") from None
+        return spec
+
     def n_of(self, body: dict) -> int:
         n = body.get("n", 1)
         n = 1 if n is None else n
@@ -190,8 +215,18 @@ class OpenAIServer:
         raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                   "prompt")
 
-    def chat_prompt(self, body: dict) -> tuple[list[int], list | None]:
-        """(prompt token ids, the images or None). Content parts: text, and for a model that takes images,
+    def tool_calls(self, body: dict):
+        """The request's tool calling (zoo/runtime/tools.py ToolCalls), or None without tools."""
+        from zoo.runtime.tools import ToolCalls, ToolError
+
+        try:
+            return ToolCalls.of(body, getattr(self.tokenizer, "chat_template", None), self.tool_call_parser)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+
+    def chat_prompt(self, body: dict, tools=None) -> tuple[list[int], list | None]:
+        """(prompt token ids, the images or None); `tools` (ToolCalls) rendered by the template, and the messages'
+        tool_calls / tool_call_id with them. Content parts: text, and for a model that takes images,
         {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} as vLLM serves them (a data: URL
         only: the server neither fetches URLs nor opens paths its clients name)."""
         import base64
@@ -235,11 +270,19 @@ class OpenAIServer:
                 content = ""
             if not isinstance(content, (str, list)):
                 raise bad(f"messages[{i}].content must be a string or a list of content parts", "messages")
-            plain.append({"role": m["role"], "content": content})
+            extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
+            plain.append({"role": m["role"], "content": content, **extra})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad(f"{self.model_name} has no chat template: use /v1/completions", "messages")
+        from zoo.runtime.tools import ToolError, for_template
+
         try:
-            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name), images or None
+            plain = for_template(plain)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        try:
+            return chat_template.apply_chat_template(self.tokenizer, plain, name=self.model_name,
+                                                     tools=tools.tools if tools is not None else None), images or None
         except ValueError as e:
             raise bad(str(e).removesuffix("; use --no-chat"), "messages") from None
 
@@ -308,14 +351,15 @@ class OpenAIServer:
         return out
 
 
-def create_app(llm, *, served_model_name: str, api_key: str | None = None):
+def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None):
     """The FastAPI app; its engine loop starts with the app (lifespan) and stops with it."""
     import contextlib
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key)
+    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key,
+                          tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -382,7 +426,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         if server.tokenizer is None:
             raise bad(f"{server.model_name} has no tokenizer")
         if "messages" in body:
-            ids = (await asyncio.to_thread(server.chat_prompt, body))[0]
+            ids = (await asyncio.to_thread(server.chat_prompt, body, server.tool_calls(body)))[0]
         elif isinstance(body.get("prompt"), str):
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
@@ -430,7 +474,8 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
     async def chat_completions(request: Request):
         body = await json_body(request)
         n = server.n_of(body)
-        ids, images = await asyncio.to_thread(server.chat_prompt, body)
+        tools = server.tool_calls(body)
+        ids, images = await asyncio.to_thread(server.chat_prompt, body, tools)
         want_lp = body.get("logprobs", False)
         if not isinstance(want_lp, (bool, type(None))):
             raise bad(f"logprobs={want_lp!r}: must be true or false (top_logprobs: how many)", "logprobs")
@@ -441,13 +486,14 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         jobs = []
         for j in range(n):
             params = server.sampling(body, body.get(field), field, len(ids),
-                                     logprobs=(top or 0) if want_lp else None)
+                                     logprobs=(top or 0) if want_lp else None, tools=tools)
             if params.seed is not None:
                 params.seed += j
             jobs.append((ids, params, images))
-        return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n)
+        return await respond(request, body, jobs, chat=True, n_top=top or 0, n=n, tools=tools)
 
-    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False):
+    async def respond(request: Request, body: dict, jobs, *, chat: bool, n_top: int, n: int, echo: bool = False,
+                      tools=None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
@@ -458,7 +504,7 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
         want_plp = body.get("prompt_logprobs") is not None  # (echo with logprobs computes them, unasked)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n, echo, want_plp),
+            return StreamingResponse(stream(ids, queue, head, chat, n_top, usage, n, echo, want_plp, tools),
                                      media_type="text/event-stream")
         finals: dict[int, object] = {}
         try:
@@ -484,7 +530,11 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             choice = {"index": i, "finish_reason": out.finish_reason,
                       "logprobs": server.logprobs_of(out.logprobs, chat, n_top) if out.logprobs is not None else None}
             if chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
+                content, calls = tools.parse(out.text) if tools is not None else (out.text, [])
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = tools.finish_reason(bool(calls), out.finish_reason)
             else:
                 choice["text"] = (server.prompt_text(out) if echo else "") + out.text
                 if echo and choice["logprobs"] is not None:
@@ -502,9 +552,11 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
             reply["prompt_logprobs"] = server.prompt_logprobs_of(finals[0].prompt_logprobs)
         return reply
 
-    async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False):
+    async def stream(ids, queue, head, chat, n_top, include_usage, n, echo=False, want_plp=False, tools=None):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         done: dict[int, object] = {}
+        parsers = [tools.stream() for _ in ids] if chat and tools is not None else None  # each choice's ToolStream
+        held_lp: list[list] = [[] for _ in ids]  # logprobs of text a ToolStream holds back, sent with its next chunk
         seen = [0] * len(ids)  # logprob entries sent per choice
         started = [False] * len(ids)  # the choice's first chunk (echo's prompt text, prompt_logprobs) is sent
         try:
@@ -526,6 +578,15 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                     lp = server.logprobs_of(item.logprobs[seen[i]:len(item.token_ids)], chat, n_top)
                     seen[i] = len(item.token_ids)
                 choice = {"index": i, "logprobs": lp, "finish_reason": item.finish_reason}
+                if parsers is not None:  # tool calls: content and calls as the reply makes them certain
+                    if item.finished:
+                        done[i] = item
+                    for chunk in tool_chunks(parsers[i], tools, item, lp, held_lp[i]):
+                        extra = {"prompt_logprobs": server.prompt_logprobs_of(item.prompt_logprobs)} \
+                            if want_plp and not started[i] else {}
+                        started[i] = True
+                        yield sse({**head, "choices": [{"index": i, **chunk}], **extra})
+                    continue
                 if chat:
                     choice["delta"] = {"content": item.delta_text} if item.delta_text else {}
                 else:
@@ -558,6 +619,22 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None):
                     server.loop.abort(rid_i)
 
     return app
+
+
+def tool_chunks(parser, tools, item, lp, held: list) -> list[dict]:
+    """This step's chunks (delta, logprobs, finish_reason) of a chat choice parsed for tool calls: what its
+    ToolStream lets out; the logprobs of text held back go with the next chunk, the finish reason with the last."""
+    held += lp["content"] if lp is not None else []
+    deltas = parser.feed(item.text, item.finished)
+    if item.finished and not deltas:
+        deltas = [{}]
+    chunks = []
+    for k, delta in enumerate(deltas):
+        last = item.finished and k == len(deltas) - 1
+        chunks.append({"delta": delta, "logprobs": {"content": list(held)} if held else None,
+                       "finish_reason": tools.finish_reason(parser.made > 0, item.finish_reason) if last else None})
+        held.clear()
+    return chunks
 
 
 def sse(obj: dict) -> str:
