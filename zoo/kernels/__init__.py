@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 from zoo import paths
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCE = Path(__file__).with_name("cpu.cpp")  # one unit: it includes the families in cpu/ (each a header)
+SOURCES = [SOURCE, *sorted(SOURCE.with_name("cpu").glob("*.h"))]  # what the build's key hashes
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-std=c++17"]
 
 _lib: ctypes.CDLL | None = None
@@ -271,7 +272,7 @@ def _build() -> Path:
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_signature(),
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES), " ".join(FLAGS), *version, _cpu_signature(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / key / "zoo_kernels.so"
     if target.exists():
