@@ -96,14 +96,18 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
             dest = e.region.view(storage[e.param])
         bad = []  # the plain path's count: per piece as the source reads it, while the piece is in the cache
         try:
-            if e.slice is not None:  # this rank's rows (cols) only, narrowed before anything is read
-                n = source.read_slice_into(e.key, dest, e.slice.dim, e.slice.start, e.slice.stop)
+            if e.slice is not None and e.transform is None:  # this rank's rows (cols) only, narrowed before
+                n = source.read_slice_into(e.key, dest, e.slice.dim, e.slice.start, e.slice.stop)  # anything is read
             elif e.transform is None:
                 n = source.read_into(e.key, dest, each=(lambda part: bad.append(nonfinite(part)))
                                      if check_finite and e.quant is None else None)
-            else:  # read in the checkpoint's layout, rearranged into the parameter's
-                held = torch.empty(e.shape, dtype=dest.dtype, device=dest.device)
-                n = source.read_into(e.key, held)
+            else:  # read in the checkpoint's layout (this rank's slice of it), rearranged into the parameter's
+                shape = list(e.shape)
+                if e.slice is not None:
+                    shape[e.slice.dim] = e.slice.stop - e.slice.start
+                held = torch.empty(shape, dtype=dest.dtype, device=dest.device)
+                n = source.read_into(e.key, held) if e.slice is None else \
+                    source.read_slice_into(e.key, held, e.slice.dim, e.slice.start, e.slice.stop)
                 e.transform.write(held, dest)
         except OSError as err:  # the file changed or failed under us
             raise SourceError([Problem("file", e.key, e.file, None, f"{e.key} in {e.file} cannot be read "
@@ -119,7 +123,6 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         for e, (n, bad) in zip(entries, pool.map(read, entries)):
             report.bytes += n
-            report.tensors += 1
             report.provenance.setdefault(e.param, []).append((e.key, e.file, e.region))
             if bad:
                 problems.append(Problem("nonfinite", e.key, e.file, f"{e.param}{e.region}",
@@ -128,6 +131,7 @@ def load(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
                 progress(report.bytes, total)
     if problems:
         raise LoadError(problems, f"{_count(problems)} in {source.directory} (nothing was loaded)")
+    report.tensors = len({e.key for e in entries})  # (a key read part by part, a "fused" Shard's, counts once)
     _swap_in(module, p, storage, device)
     report.on_meta = on_meta(module)
     report.quantized = {n: str(layout) for n, layout in p.quant.items()}

@@ -23,7 +23,8 @@ from loader.mapping import Mapper, ParamInfo, Region
 from loader.problems import Problem
 from loader.quant import QuantLayout, QuantType, layout_for, nbytes as quant_nbytes
 from loader.rules import Rules, Shard, Transform
-from loader.shard import Parallel, Slice, full_size, local_size, shard_dim, slice_of, split_problem
+from loader.shard import (Parallel, Slice, full_size, local_size, part_shards, shard_dim, slice_of,
+                          split_problem)
 from loader.sources import Source, open_source
 
 # load(dtype=): one dtype for every floating-point parameter, a mapping name -> dtype (a name it lacks keeps the
@@ -118,32 +119,34 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
         if m.reason:
             out.problems.append(Problem("shape", key, info.file, m.name, f"{key} in {info.file}: {m.reason}"))
             continue
-        if m.region.expert is not None and not (p.shape and m.region.expert < p.shape[0]):
+        shard = next((s for pattern, s in shards if pattern.search(key)), None)
+        stacked = shard is not None and shard.stack  # its expert index is checked against the stack's full size
+        if not stacked and m.region.expert is not None and not (p.shape and m.region.expert < p.shape[0]):
             out.problems.append(Problem("shape", key, info.file, where,
                 f"{key} in {info.file} is expert {m.region.expert} but {m.name} has shape {list(p.shape)}"))
             continue
         expected = m.region.shape(p.shape)
         if m.transform is not None:
             expected, where = m.transform.source_shape(expected), f"{where} ({m.transform.kind}d)"
-        region, piece = m.region, None
-        shard = next((s for pattern, s in shards if pattern.search(key)), None)
+        pieces = [(None, m.region)]  # (the part of the key's tensor this rank reads, the region it fills)
         if shard is not None and shard.kind != "replicated":
-            got = _sharded(key, info, m, p.shape, expected, shard, tp)
+            got = _sharded(key, info, m, p, shard, tp)
             if isinstance(got, Problem):
                 out.problems.append(got)
                 continue
-            expected, piece, region, pad = got
-            if pad is not None:
+            expected, pieces, pads = got
+            for pad in pads:  # vocab padding, a "once" tensor on another rank than 0: zeros
                 out.pads.setdefault(m.name, []).append(pad)
-                writes.setdefault(m.name, []).append((pad.box(p.shape), "(vocab padding)", "", pad))
-            if piece.stop == piece.start:  # a rank whose vocab part is all padding reads nothing of it
+                writes.setdefault(m.name, []).append((pad.box(p.shape), "(zeros)" if shard.kind == "once"
+                                                      else "(vocab padding)", "", pad))
+            if not pieces:  # a rank that reads nothing of it (all padding, another rank's stack row or "once")
                 continue
         if tuple(info.shape) != expected:
             out.problems.append(Problem("shape", key, info.file, where, f"{key} in {info.file} has shape "
-                f"{list(info.shape)} but {where} expects {list(expected)}" + _missing_part(info.shape, piece, tp)))
+                f"{list(info.shape)} but {where} expects {list(expected)}" + _missing_part(info.shape, pieces, tp)))
         dst = dest_dtype(m.name, p, dtype)
         on_purpose = _asked(m.name, dtype) is not None and info.dtype.is_floating_point and dst.is_floating_point
-        if info.quant is not None and (why := _unquantizable(p, m, piece)):
+        if info.quant is not None and (why := _unquantizable(p, m, next((c for c, _ in pieces if c), None))):
             out.problems.append(Problem("dtype", key, info.file, where, f"{key} in {info.file} is "
                 f"{info.quant.name} (kept quantized) but {where} {why}; dequantize the file instead "
                 f"(zoo run --dtype float32)"))
@@ -152,9 +155,10 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
                 f"{key} in {info.file} is {_dt(info.dtype)} but {m.name} is {_dt(dst)}: a lossy cast "
                 + ("(dtype= casts floating-point to floating-point only)" if _asked(m.name, dtype) is not None
                    else "(pass dtype= to load() to cast on purpose)")))
-        out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece,
-                                 info.quant))
-        writes.setdefault(m.name, []).append((region.box(p.shape), key, info.file, region))
+        for piece, region in pieces:
+            out.entries.append(Entry(key, info.file, tuple(info.shape), info.dtype, m.name, region, m.transform, piece,
+                                     info.quant))
+            writes.setdefault(m.name, []).append((region.box(p.shape), key, info.file, region))
 
     out.owner = {name: name for name in params}
     for name, src, tied in _ties(groups, rules, params, writes):
@@ -177,49 +181,101 @@ def plan(module: torch.nn.Module, source, rules: Rules = Rules(), *, dtype: DTyp
     return out
 
 
-def _sharded(key: str, info, m, shape: tuple[int, ...], expected: tuple[int, ...], shard: Shard, tp: Parallel):
-    """(full shape expected of the checkpoint tensor, this rank's Slice of it, the region it fills, the padding
-    region or None), or the Problem that stops it."""
-    d = shard_dim(shard)
+def _sharded(key: str, info, m, p: ParamInfo, shard: Shard, tp: Parallel):
+    """(the full shape expected of the checkpoint tensor, this rank's pieces [(its Slice of the tensor, the region
+    of the parameter it fills)], the regions this rank zeroes instead: vocab padding, a "once" tensor off rank 0),
+    or the Problem that stops it. Sizes are in the parameter's layout; a transposed key's slice is on the
+    checkpoint's dim."""
     where = f"{m.name}{m.region}"
+    t = m.transform
 
     def problem(why: str) -> Problem:
         return Problem("shape", key, info.file, where, f"{key} in {info.file} -> {where}: {why}")
 
-    if m.transform is not None:
-        return problem(f"a {m.transform.kind} Transform cannot be {shard.kind}-parallel")
-    if d >= len(expected):
-        return problem(f"a {shard.kind}-parallel shard splits dim {d}, but the parameter part has shape {list(expected)}")
     if why := split_problem(shard, tp.size):
         return problem(why)
-    local = expected[d]
+    if shard.stack:
+        return _stack_sharded(m, p, shard, tp, problem)
+    if t is not None and not (t.kind == "transpose" or (t.kind == "interleave" and shard.kind == "column"
+                                                        and shard_dim(shard) == 0)):
+        return problem(f"a key held in another layout ({t.kind}) cannot be {shard.kind}-parallel on dim "
+                       f"{shard_dim(shard)} (an interleaved key splits column-parallel on dim 0 only: whole heads, "
+                       f"one run of rows)")
+    shape = m.region.shape(p.shape)  # what the key fills, in the parameter's layout
+    d = shard_dim(shard)
+    if d >= len(shape):
+        return problem(f"a {shard.kind}-parallel shard splits dim {d}, but the parameter part has shape {list(shape)}")
+    if m.region.dim is not None and shard.kind in ("vocab", "once", "fused"):
+        return problem(f"a {shard.kind}-parallel key cannot also be a Fuse part")
+    src = 1 - d if t is not None and t.kind == "transpose" and len(shape) == 2 else d  # the checkpoint's dim
+    parts = _parts(shard, p, shape[d])
+    if isinstance(parts, str):
+        return problem(parts)
+    pieces, pads, local_at, full_at = [], [], 0, 0
+    for part, local in parts:
+        full = full_size(part, local, tp.size)
+        try:
+            ok = local_size(part, full, tp.size) == local
+        except ValueError:
+            ok = False
+        if not ok:
+            return problem(f"its rank-local extent {local} on dim {d} is not what a {part.kind}-parallel split of "
+                           f"{full} over {tp.size} ranks gives (was the module built for tensor parallel size "
+                           f"{tp.size}?)")
+        s = slice_of(part, full, tp)
+        n = s.stop - s.start
+        region = m.region if shard.kind != "fused" else \
+            dataclasses.replace(m.region, dim=d, start=local_at, stop=local_at + local)
+        if n < local:  # the vocab's padding rows on this rank; a "once" tensor's other ranks
+            region = dataclasses.replace(m.region, dim=d, start=0, stop=n)
+            pads.append(dataclasses.replace(m.region, dim=d, start=n, stop=local))
+        if n:
+            pieces.append((Slice(src, full_at + s.start, full_at + s.stop, s.copies), region))
+        local_at, full_at = local_at + local, full_at + full
+    full_shape = shape[:d] + (full_at,) + shape[d + 1:]
+    return (t.source_shape(full_shape) if t is not None else full_shape), pieces, pads
+
+
+def _parts(shard: Shard, p: ParamInfo, extent: int):
+    """[(Shard, rank-local extent)] along the split dim: the shard itself, or a "fused" one's parts sized by the
+    parameter's shard_sizes (else equally); a str saying why they do not fit."""
+    if shard.kind != "fused":
+        return [(shard, extent)]
+    k = len(shard.parts)
+    sizes = p.shard_sizes if p.shard_sizes and len(p.shard_sizes) == k and sum(p.shard_sizes) == extent else None
+    if sizes is None and extent % k:
+        return f"its rank-local extent {extent} does not split into the {k} parts {'/'.join(shard.parts)}"
+    return list(zip(part_shards(shard), sizes or (extent // k,) * k))
+
+
+def _stack_sharded(m, p: ParamInfo, shard: Shard, tp: Parallel, problem):
+    """A Stack row's key under a stack Shard: read whole by the ranks whose rows of the stacked parameter hold it
+    (KV-replicated rows by several), by no other."""
+    e, shape = m.region.expert, m.region.shape(p.shape)
+    if e is None or not shape:
+        return problem("a stack shard needs a key that a Stack rule maps to a row of its parameter")
+    local = p.shape[0]
     full = full_size(shard, local, tp.size)
-    try:
-        ok = local_size(shard, full, tp.size) == local
-    except ValueError:
-        ok = False
-    if not ok:
-        return problem(f"its rank-local extent {local} on dim {d} is not what a {shard.kind}-parallel split of "
-                       f"{full} over {tp.size} ranks gives (was the module built for tensor parallel size {tp.size}?)")
-    piece = slice_of(shard, full, tp)
-    full_shape = expected[:d] + (full,) + expected[d + 1:]
-    region, pad, n = m.region, None, piece.stop - piece.start
-    if n < local:  # the vocab's padding rows on this rank
-        if m.region.dim is not None:
-            return problem("a vocab-parallel parameter cannot also be a fused shard")
-        region = dataclasses.replace(m.region, dim=d, start=0, stop=n)
-        pad = dataclasses.replace(m.region, dim=d, start=n, stop=local)
-    return full_shape, piece, region, pad
+    if local_size(shard, full, tp.size) != local:
+        return problem(f"its {local} stack rows per rank are not what a {shard.kind}-parallel split of {full} over "
+                       f"{tp.size} ranks gives (was the module built for tensor parallel size {tp.size}?)")
+    if e >= full:
+        return problem(f"it is row {e} of a stack that holds {full} rows ({local} on each of {tp.size} ranks)")
+    s = slice_of(shard, full, tp)
+    if not s.start <= e < s.stop:
+        return shape, [], []  # another rank's row
+    return shape, [(Slice(0, 0, shape[0], s.copies), dataclasses.replace(m.region, expert=e - s.start))], []
 
 
-def _missing_part(shape: tuple[int, ...], piece: Slice | None, tp: Parallel | None) -> str:
+def _missing_part(shape: tuple[int, ...], pieces: list, tp: Parallel | None) -> str:
     """', so rank r's rows a:b are not in the checkpoint' when its slice lies past the tensor's end."""
-    if piece is None or tp is None:
+    cut = [c for c, _ in pieces if c is not None]
+    if not cut or tp is None:
         return ""
-    text = f" (rank {tp.rank} reads {piece} of the full tensor)"
-    if len(shape) > piece.dim and piece.stop > shape[piece.dim]:
-        text = f": rank {tp.rank}'s slice, {piece}, is not in the checkpoint"
-    return text
+    piece = next((c for c in cut if len(shape) > c.dim and c.stop > shape[c.dim]), None)
+    if piece is not None:
+        return f": rank {tp.rank}'s slice, {piece}, is not in the checkpoint"
+    return f" (rank {tp.rank} reads {', '.join(map(str, cut))} of the full tensor)"
 
 
 @dataclass

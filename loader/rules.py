@@ -12,7 +12,8 @@ A checkpoint key goes through the rules in this order:
                shape-checked in that layout and rearranged as it is written; coverage is the parameter's
 
     Shard -> tensor parallelism: which slice of a key's full tensor one rank holds (column, row, vocab, kv,
-               replicated); a key no Shard matches is replicated. See loader/shard.py for the arithmetic.
+               fused parts, once, replicated); a key no Shard matches is replicated. See loader/shard.py for the
+               arithmetic.
 
 The sizes of a fused parameter's shards come from `Fuse.sizes`, else from the destination parameter's
 `shard_sizes` attribute (set by the layer that fuses), else from the checkpoint's shapes of the parts when they
@@ -123,7 +124,8 @@ class Transform:
         view.copy_(src.view(heads, self.parts, self.head_dim, *rest))
 
 
-SHARD_KINDS = ("column", "row", "vocab", "kv", "replicated")
+SHARD_KINDS = ("column", "row", "vocab", "kv", "fused", "once", "replicated")
+PART_KINDS = ("column", "kv")  # how each part of a "fused" Shard splits
 VOCAB_MULTIPLE = 64
 
 
@@ -145,22 +147,42 @@ class Shard:
                       rank r holds rows r*V'/N..(r+1)*V'/N of the padded V'; rows past `size` are zero padding
         "kv"          dim 0 holds `heads` heads (k_proj, v_proj, per-head k weights): split by heads when
                       heads >= N, else each rank holds one head, head r // (N / heads) (KV replication)
+        "fused"       dim 0 is a run of `parts` (a checkpoint-fused qkv_proj: ("column", "kv", "kv"); gate_up_proj:
+                      ("column", "column")), each split by its own kind: rank r holds its part of each, so a key
+                      is read as one slice per part. The parts' rank-local sizes are the parameter's
+                      `shard_sizes` (a MergedLinear's, a stacked expert's), else equal
+        "once"        rank 0 holds the tensor, every other rank zeros of its shape: a term of a partial sum the
+                      ranks add up (gpt-oss's expert down_proj bias inside its summed MoE block), counted once
         "replicated"  every rank holds the whole tensor (the default for a key no Shard matches)
+    `dim` splits another dim than the kind's (of the parameter's layout, per key: [E, H, 2I] gpt-oss experts
+    split by intermediate size on dim 2; a transposed key's dims are the parameter's, not the checkpoint's).
+    `stack=True` splits the rows of a Stack rule instead of a tensor (which keys a rank reads: StableLM's per-head
+    `q_layernorm.norms.{h}`, rank r holding heads r*Hq/N..; by "column" or, with KV replication, "kv").
     The first matching Shard applies. The parameter a key fills has the rank-local shape.
     """
 
     pattern: str
     kind: str
-    heads: int = 0  # for "kv": the number of heads the full tensor holds
+    heads: int = 0  # for "kv" (and a "fused" Shard's "kv" parts): the number of heads the full tensor holds
     size: int = 0  # for "vocab": the real vocabulary size (rows of the full tensor)
+    dim: int | None = None  # the dim split (default: 1 for "row", else 0)
+    parts: tuple[str, ...] = ()  # for "fused": each part's kind, in order along `dim`
+    stack: bool = False  # split a Stack's rows (keys), not a dim of each key's tensor
 
     def __post_init__(self):
         if self.kind not in SHARD_KINDS:
             raise ValueError(f"Shard kind {self.kind!r}: expected one of {', '.join(SHARD_KINDS)}")
-        if self.kind == "kv" and self.heads <= 0:
+        if (self.kind == "kv" or "kv" in self.parts) and self.heads <= 0:
             raise ValueError(f"Shard {self.pattern!r}: a 'kv' shard needs heads > 0")
         if self.kind == "vocab" and self.size <= 0:
             raise ValueError(f"Shard {self.pattern!r}: a 'vocab' shard needs size > 0")
+        if (self.kind == "fused") != bool(self.parts) or not set(self.parts) <= set(PART_KINDS):
+            raise ValueError(f"Shard {self.pattern!r}: parts {self.parts!r} (a 'fused' shard, and only it, has parts, "
+                             f"each one of {', '.join(PART_KINDS)})")
+        if self.stack and self.kind not in ("column", "kv"):
+            raise ValueError(f"Shard {self.pattern!r}: a stack shard splits by 'column' or 'kv', not {self.kind!r}")
+        if self.dim is not None and self.dim < 0:
+            raise ValueError(f"Shard {self.pattern!r}: dim {self.dim} must be >= 0")
 
 
 @dataclass(frozen=True)

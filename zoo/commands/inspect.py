@@ -101,8 +101,10 @@ def _run_ranks(model, source, rules, what: str, size: int) -> int:
     full = sum(source.info(k).nbytes for k in source.keys())
     rows = []
     for r, p in enumerate(rp.plans):
-        sliced = sum(e.slice is not None for e in p.entries)
-        rows.append((str(r), str(len(p.entries)), str(sliced), f"{rp.bytes(r) / 1e6:.3f}",
+        keys = {e.key for e in p.entries}
+        sliced = {e.key for e in p.entries
+                  if e.slice is not None and e.slice.stop - e.slice.start < e.shape[e.slice.dim]}
+        rows.append((str(r), str(len(keys)), str(len(sliced)), f"{rp.bytes(r) / 1e6:.3f}",
                      f"{rp.bytes(r) / max(full, 1):.2f}"))
     print_table(["rank", "tensors", "sliced", "MB read", "of checkpoint"], rows)
     if rp.problems:

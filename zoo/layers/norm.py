@@ -39,7 +39,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.fast(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps)  # [..., D]
-        return self.weight * _rms(x, self.eps).to(x.dtype)  # [..., D]
+        return self.weighted(_rms(x, self.eps), x.dtype)  # [..., D]
+
+    def weighted(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight applied to the normalised x (float32), in this norm's order and precision, cast to `dtype`
+        (a tensor-parallel norm over a split width reuses it: zoo/layers/parallel.py)."""
+        return self.weight * normed.to(dtype)  # [..., D]
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -52,7 +57,10 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.fast(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps, gemma=True)  # [..., D]
-        return (_rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)  # [..., D]
+        return self.weighted(_rms(x, self.eps), x.dtype)  # [..., D]
+
+    def weighted(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (1.0 + self.weight.float())).to(dtype)  # [..., D]
 
 
 class RMSNormF32Weight(RMSNorm):
@@ -62,7 +70,10 @@ class RMSNormF32Weight(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.float32 and kernels.fast(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps)  # [..., D]
-        return (self.weight.float() * _rms(x, self.eps)).to(x.dtype)  # [..., D]
+        return self.weighted(_rms(x, self.eps), x.dtype)  # [..., D]
+
+    def weighted(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * normed).to(dtype)  # [..., D]
 
 
 class LayerNorm(nn.Module):

@@ -14,6 +14,10 @@ parallel q/k/v and gate/up and the attention need nothing more. What needs the o
                            by intermediate size, a shared expert like a dense MLP) returns a partial sum: its
                            output is all-reduced once, and the row-parallel weights inside it are not reduced
                            on their own (one all-reduce per MoE layer, routed and shared experts together)
+    WholeWidthRMS          an RMS norm whose weight is split with the heads ("column" / "kv": OLMo-2's and OLMoE's
+                           q/k norms over the whole projection width): each rank's sum of squares, summed over the
+                           ranks (an all-reduce of [T, 1], not the all-gather of q and k vLLM does), normalises its
+                           own part of the width
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from torch import nn
 
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import Linear, linear
+from zoo.layers.norm import LayerNorm, RMSNorm
 
 
 def _adopt(cls, module: nn.Module, **attrs) -> nn.Module:
@@ -80,20 +85,40 @@ class SummedOverRanks:
         return y
 
 
-_SUMMED: dict[type, type] = {}
+class WholeWidthRMS:
+    """Mixed into an RMS norm over a width W that the ranks split ([T, W_r] here, the weight this rank's W_r entries):
+    the mean square over W is the sum over the ranks of each rank's sum of squares over W_r * size. KV heads held by
+    several ranks (replicated) count as often in the sum as in the width, so the mean is the same."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)  # [T, 1], this rank's part of the width
+        dist.all_reduce(squares)  # [T, 1], summed over the ranks
+        mean = squares / (x.shape[-1] * dist.get_world_size())
+        return self.weighted(xf * torch.rsqrt(mean + self.eps), x.dtype)  # [T, W_r]
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def _mixed(mixin: type, cls: type) -> type:
+    """`cls` with `mixin` in front (SummedOverRanks, WholeWidthRMS), one class per pair."""
+    if (mixin, cls) not in _MIXED:
+        prefix = {SummedOverRanks: "Summed", WholeWidthRMS: "WholeWidth"}[mixin]
+        _MIXED[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__doc__": cls.__doc__})
+    return _MIXED[mixin, cls]
 
 
 def _summed(cls: type) -> type:
-    if cls not in _SUMMED:
-        _SUMMED[cls] = type(f"Summed{cls.__name__}", (SummedOverRanks, cls), {"__doc__": cls.__doc__})
-    return _SUMMED[cls]
+    return _mixed(SummedOverRanks, cls)
 
 
 def parallelize(model: nn.Module, rules, rank: int, vocab_size: int) -> nn.Module:
     """Swap in the layers that talk to the other ranks, by the rules' Shard kinds: "row" weights' Linear,
-    "vocab" weights' embedding and head, and the blocks that declare `tensor_parallel_sum` (summed once; the
-    row-parallel weights inside them stay partial). Returns `model`; ValueError when a sharded weight's module
-    is of another kind (its forward would silently compute on a slice)."""
+    "vocab" weights' embedding and head, "column" / "kv" weights' RMS norms (over the whole width), and the blocks
+    that declare `tensor_parallel_sum` (summed once; the row-parallel weights inside them stay partial). Returns
+    `model`; ValueError when a sharded weight's module is of another kind (its forward would silently compute on a
+    slice)."""
     kinds = [(re.compile(s.pattern), s.kind) for s in rules.shards]
     summed = [name for name, m in model.named_modules() if getattr(type(m), "tensor_parallel_sum", False)]
     for name in summed:
@@ -115,6 +140,11 @@ def parallelize(model: nn.Module, rules, rank: int, vocab_size: int) -> nn.Modul
             new = _adopt(VocabParallelEmbedding, module, start=rank * module.weight.shape[0])
         elif kind == "vocab" and type(module) is LMHead:
             new = _adopt(ParallelLMHead, module, full_vocab=vocab_size)
+        elif kind in ("column", "kv") and isinstance(module, RMSNorm):
+            new = _adopt(_mixed(WholeWidthRMS, type(module)), module)
+        elif kind in ("column", "kv", "fused") and isinstance(module, LayerNorm) and w.dim() == 1:
+            raise ValueError(f"{name}: a LayerNorm whose weight is {kind}-parallel normalises a split width; it has "
+                             f"no tensor-parallel form (an RMS norm over a split width does: WholeWidthRMS)")
         elif kind in ("row", "vocab"):
             raise ValueError(f"{name}: a {kind}-parallel weight in a {type(module).__name__}, which has no "
                              f"tensor-parallel form")
