@@ -5,7 +5,9 @@ Shape legend: as plugins/llama.py (T tokens, H hidden, Hq / KV heads, D head dim
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaForCausalLM, LlamaModel, ParallelDecoderLayer, validate
+from loader.rules import Shard
+from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaForCausalLM, LlamaModel, ParallelDecoderLayer,
+                           num_kv_heads_of, tensor_parallel as dense_tensor_parallel, validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead
 from zoo.layers.norm import LayerNorm
@@ -49,7 +51,13 @@ class CohereForCausalLM(LlamaForCausalLM):
         return LMHead(config.vocab_size, config.hidden_size, scale=config.logit_scale)  # diff with Llama
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split; the per-head q/k norm rows [Hq, D] / [KV, D] go with their heads (k_norm's KV-replicated)."""
+    return dense_tensor_parallel(config, size, shards=(
+        Shard(r"\.q_norm\.weight$", "column"), Shard(r"\.k_norm\.weight$", "kv", heads=num_kv_heads_of(config))))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("CohereForCausalLM",), "plugins.cohere:CohereForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

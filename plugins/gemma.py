@@ -4,7 +4,8 @@ Shape legend: as plugins/llama.py (T tokens, H hidden).
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from plugins.llama import (LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, tensor_parallel,
+                           validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.norm import GemmaRMSNorm
@@ -34,4 +35,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GemmaForCausalLM",), "plugins.gemma:GemmaForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

@@ -6,7 +6,7 @@ Shape legend: as plugins/llama.py (T tokens, H hidden).
 from __future__ import annotations
 
 from plugins.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model, validate_gemma3
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer
+from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, tensor_parallel
 from registry import ArchSpec, hookimpl
 
 
@@ -28,4 +28,4 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Gemma2ForCausalLM",), "plugins.gemma2:Gemma2ForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate_gemma3))
+                      validate=validate_gemma3, tensor_parallel=tensor_parallel))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from plugins.gemma import GemmaModel
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, validate
+from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, tensor_parallel,
+                           validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.mlp import GatedMLP
 from zoo.layers.norm import GemmaRMSNorm
@@ -70,4 +71,4 @@ def validate_gemma3(config) -> None:
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Gemma3ForCausalLM",), "plugins.gemma3:Gemma3ForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate_gemma3))
+                      validate=validate_gemma3, tensor_parallel=tensor_parallel))

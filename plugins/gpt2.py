@@ -8,10 +8,12 @@ layout maps, and a checkpoint holding both writes each parameter twice (a duplic
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from loader.rules import Ignore, Rename, Rules, Transform
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from loader.rules import Ignore, Rename, Rules, Shard, Transform
+from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, tensor_parallel as dense_tp
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import VocabEmbedding
 from zoo.layers.mlp import MLP, activation
@@ -81,7 +83,19 @@ def validate_gpt2(config) -> None:
     activation(config.activation_function, field="config.activation_function")
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split under the checkpoint's names, each in the parameter's layout (the Conv1D transpose applies to
+    the rank's slice): c_attn's q, k and v parts by heads (a fused key; its bias the same), c_fc and its bias
+    column-parallel, both c_proj row-parallel (biases added once), wte by vocab; wpe, the learned positions,
+    replicated."""
+    config = copy.deepcopy(config)
+    config.n_inner = config.n_inner or 4 * config.hidden_size  # (the default, made explicit so that it splits)
+    return dense_tp(config, size, fields=("n_inner",), vocab_keys=("wte",), shards=(
+        Shard(r"\.c_attn\.(weight|bias)$", "fused", parts=("column", "column", "column")),
+        Shard(r"\.c_fc\.(weight|bias)$", "column"), Shard(r"\.c_proj\.weight$", "row")))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GPT2LMHeadModel",), "plugins.gpt2:GPT2LMHeadModel", "dense", rules=GPT2_RULES,
-                      validate=validate_gpt2))
+                      validate=validate_gpt2, tensor_parallel=tensor_parallel))

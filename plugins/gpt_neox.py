@@ -7,10 +7,13 @@ Checkpoint names (gpt_neox.layers.{i}.attention.query_key_value, embed_out, ...)
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from loader.rules import Ignore, Rename, Rules, Transform
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of, validate
+from loader.rules import Ignore, Rename, Rules, Shard, Transform
+from plugins.llama import (LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of, tensor_parallel,
+                           validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.mlp import MLP
 from zoo.layers.norm import LayerNorm
@@ -73,7 +76,15 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
                                                       "interleave", parts=3, head_dim=head_dim_of(config)),))
 
 
+# tensor parallelism: Llama's under the checkpoint's names. query_key_value (and its bias) column-parallel on its
+# rows as they are: [heads, (q, k, v), D], so a rank's heads are one run of rows, rearranged after the read;
+# dense_h_to_4h column, dense (o_proj) and dense_4h_to_h row (biases added once); embed_in / embed_out by vocab
+SHARDS = (Shard(r"\.(query_key_value|dense_h_to_4h)\.(weight|bias)$", "column"),
+          Shard(r"\.(dense|dense_4h_to_h)\.weight$", "row"))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GPTNeoXForCausalLM",), "plugins.gpt_neox:GPTNeoXForCausalLM", "dense", rules=NEOX_RULES,
-                      validate=validate))
+                      validate=validate,
+                      tensor_parallel=partial(tensor_parallel, shards=SHARDS, vocab_keys=("embed_in", "embed_out"))))

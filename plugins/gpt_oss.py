@@ -7,11 +7,15 @@ Shape legend: as plugins/llama.py and zoo/layers/moe.py (T tokens, H hidden, E e
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from loader.rules import Shard
+from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
+                           tensor_parallel)
 from plugins.mixtral import validate_moe  # (GptOssConfig.num_experts is num_local_experts)
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import grouped_linear, on_device_path, sort_by_expert
@@ -70,6 +74,10 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMLP(nn.Module):
+    # tensor parallelism: the experts split by intermediate size return a partial sum; summed once over the ranks
+    # (zoo/layers/parallel.py), down_proj_bias held by rank 0 only (its Shard "once") so that it counts once
+    tensor_parallel_sum = True
+
     def __init__(self, config, prefix: str):
         super().__init__()
         self.prefix = prefix
@@ -97,7 +105,17 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
 
 
+# tensor parallelism: Llama's attention (biases of q/k/v split with them, o_proj's added once), a sink per query
+# head going with its head; the experts split by intermediate size in the checkpoint's [E, in, out] layout:
+# gate_up_proj's columns (gate and up interleaved: a rank's I/N units are one run of 2I/N columns) and their bias,
+# down_proj's rows; down_proj_bias on rank 0 only, zeros elsewhere (added once in the summed block); the biased
+# router replicated
+SHARDS = (Shard(r"\.self_attn\.sinks$", "column"),
+          Shard(r"\.experts\.gate_up_proj$", "column", dim=2), Shard(r"\.experts\.gate_up_proj_bias$", "column", dim=1),
+          Shard(r"\.experts\.down_proj$", "row", dim=1), Shard(r"\.experts\.down_proj_bias$", "once"))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GptOssForCausalLM",), "plugins.gpt_oss:GptOssForCausalLM", "moe", rules=LLAMA_RULES,
-                      validate=validate_moe))
+                      validate=validate_moe, tensor_parallel=partial(tensor_parallel, shards=SHARDS)))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from plugins.llama import (LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, tensor_parallel,
+                           validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead
 from zoo.runtime.batch import ForwardBatch
@@ -52,4 +53,4 @@ class GraniteForCausalLM(LlamaForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GraniteForCausalLM",), "plugins.granite:GraniteForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from loader.rules import Rename, Rules
+from loader.rules import Rename, Rules, Shard
 from plugins.granite import GraniteDecoderLayer, GraniteForCausalLM, GraniteModel
-from plugins.llama import LLAMA_RULES
+from plugins.llama import LLAMA_RULES, tensor_parallel
 from plugins.mixtral import validate_moe
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -39,7 +39,15 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                    "model.layers.{i}.mlp.gate": "model.layers.{i}.block_sparse_moe.router"}
 
 
+# tensor parallelism: Llama's attention; each expert split by intermediate size inside the checkpoint's stacks:
+# input_linear [E, 2I, H] read as its gate and up halves (a fused split on dim 1), output_linear [E, H, I] by cols
+# (dim 2); the block's output summed once, the router replicated
+SHARDS = (Shard(r"\.input_linear\.weight$", "fused", dim=1, parts=("column", "column")),
+          Shard(r"\.output_linear\.weight$", "row", dim=2))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("GraniteMoeForCausalLM",), "plugins.granitemoe:GraniteMoeForCausalLM", "moe",
-                      rules=GRANITEMOE_RULES, validate=partial(validate_moe, experts_field="num_local_experts")))
+                      rules=GRANITEMOE_RULES, validate=partial(validate_moe, experts_field="num_local_experts"),
+                      tensor_parallel=partial(tensor_parallel, shards=SHARDS)))

@@ -239,13 +239,15 @@ def split_config(config, size: int, fields: tuple[str, ...]):
 
 
 def tensor_parallel(config, size: int, *, fields: tuple[str, ...] = ("intermediate_size",),
-                    shards: tuple[Shard, ...] = ()):
+                    shards: tuple[Shard, ...] = (), vocab_keys: tuple[str, ...] = ()):
     """(rank-local config, Shard rules) for `size` ranks, Megatron-style: q/k/v and gate/up split by rows
     (column-parallel; k/v by KV heads, each rank one head when size > KV), o/down by cols (row-parallel), the
-    embedding and head by vocab rows (padded to a multiple of 64), norms and routers replicated. Every rank
-    builds the same local shapes; the loader's Shard rules say which slice of each checkpoint tensor a rank
-    reads. MoE variants pass their expert sizes in `fields` (each expert split like a dense MLP: per-expert
-    gate_proj/up_proj column, down_proj row) and their own key names in `shards`."""
+    embedding and head (and a head's bias) by vocab rows (padded to a multiple of 64), norms and routers
+    replicated. Every rank builds the same local shapes; the loader's Shard rules say which slice of each
+    checkpoint tensor a rank reads. MoE variants pass their expert sizes in `fields` (each expert split like a
+    dense MLP: per-expert gate_proj/up_proj column, down_proj row); plugins add their own key names' Shards in
+    `shards` (first match wins: fused checkpoint tensors, q/k norms, other names), and in `vocab_keys` the
+    checkpoint's names of the embedding and head where they are not embed_tokens / lm_head."""
     kv = num_kv_heads_of(config)
     local = split_config(config, size, ("num_attention_heads",) + fields)
     if kv % size and size % kv:
@@ -256,7 +258,8 @@ def tensor_parallel(config, size: int, *, fields: tuple[str, ...] = ("intermedia
         Shard(r"\.(q_proj|gate_proj|up_proj)\.(weight|bias)$", "column"),
         Shard(r"\.(k_proj|v_proj)\.(weight|bias)$", "kv", heads=kv),
         Shard(r"\.(o_proj|down_proj)\.weight$", "row"),
-        Shard(r"(^|\.)(embed_tokens|lm_head)\.weight$", "vocab", size=config.vocab_size),
+        Shard(rf"(^|\.)({'|'.join(('embed_tokens', 'lm_head') + vocab_keys)})\.(weight|bias)$", "vocab",
+              size=config.vocab_size),
     ))
     return local, rules
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
-from plugins.olmoe import OlmoeAttention
+from plugins.olmoe import OlmoeAttention, tensor_parallel
 from registry import ArchSpec, hookimpl
 from zoo.layers.norm import RMSNormF32Weight
 from zoo.runtime.batch import ForwardBatch
@@ -47,4 +47,4 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Olmo2ForCausalLM",), "plugins.olmo2:Olmo2ForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))  # OLMoE's (the whole-width q/k norms)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from loader.rules import Shard
+from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
+                           num_kv_heads_of, tensor_parallel as dense_tensor_parallel)
 from plugins.mixtral import MOE_RULES, validate_moe
 from registry import ArchSpec, hookimpl
 from zoo.layers.moe import SparseMoeBlock
@@ -58,7 +60,15 @@ class OlmoeForCausalLM(LlamaForCausalLM):
     model_class = OlmoeModel
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split (each expert by its intermediate size, the router replicated); the whole-width q / k norms'
+    weights split with the heads (k_norm's with KV replication): each rank normalises its part of q and k by the
+    rms over the whole width, its sum of squares summed over the ranks (zoo/layers/parallel.py WholeWidthRMS)."""
+    return dense_tensor_parallel(config, size, shards=(
+        Shard(r"\.q_norm\.weight$", "column"), Shard(r"\.k_norm\.weight$", "kv", heads=num_kv_heads_of(config))))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("OlmoeForCausalLM",), "plugins.olmoe:OlmoeForCausalLM", "moe", rules=LLAMA_RULES + MOE_RULES,
-                      validate=validate_moe))
+                      validate=validate_moe, tensor_parallel=tensor_parallel))

@@ -5,8 +5,11 @@ Shape legend: as plugins/llama.py.
 """
 from __future__ import annotations
 
-from loader.rules import Rename, Rules
-from plugins.llama import LLAMA_RULES, LlamaAttention, LlamaForCausalLM, LlamaModel, ParallelDecoderLayer, validate
+from functools import partial
+
+from loader.rules import Rename, Rules, Shard
+from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaForCausalLM, LlamaModel, ParallelDecoderLayer,
+                           tensor_parallel, validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead
 from zoo.layers.mlp import MLP
@@ -53,7 +56,12 @@ class PhiForCausalLM(LlamaForCausalLM):
         return LMHead(config.vocab_size, config.hidden_size, bias=True)  # diff with Llama: a biased head
 
 
+# tensor parallelism: Llama's (the head's bias vocab-parallel with it); fc1 and its bias column-parallel, fc2 and
+# `dense` (o_proj) row-parallel, their biases added once; the q/k LayerNorms, shared by the heads, replicated
+SHARDS = (Shard(r"\.fc1\.(weight|bias)$", "column"), Shard(r"\.(fc2|dense)\.weight$", "row"))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("PhiForCausalLM",), "plugins.phi:PhiForCausalLM", "dense", rules=PHI_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=partial(tensor_parallel, shards=SHARDS)))

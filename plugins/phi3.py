@@ -5,8 +5,8 @@ Shape legend: as plugins/llama.py.
 """
 from __future__ import annotations
 
-from loader.rules import Rules
-from plugins.llama import LLAMA_RULES, validate
+from loader.rules import Rules, Shard
+from plugins.llama import LLAMA_RULES, num_kv_heads_of, tensor_parallel as dense_tensor_parallel, validate
 from plugins.mistral import MistralForCausalLM
 from registry import ArchSpec, hookimpl
 
@@ -18,7 +18,15 @@ class Phi3ForCausalLM(MistralForCausalLM):
     pass  # diff with Mistral: only the checkpoint's layout (PHI3_RULES)
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split, the checkpoint's fused tensors read part by part: qkv_proj's q rows by heads and k / v rows by
+    KV heads, gate_up_proj's gate and up halves, each rank its part of each."""
+    return dense_tensor_parallel(config, size, shards=(
+        Shard(r"\.qkv_proj\.weight$", "fused", parts=("column", "kv", "kv"), heads=num_kv_heads_of(config)),
+        Shard(r"\.gate_up_proj\.weight$", "fused", parts=("column", "column"))))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Phi3ForCausalLM",), "plugins.phi3:Phi3ForCausalLM", "dense", rules=PHI3_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

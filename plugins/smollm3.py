@@ -5,7 +5,8 @@ Shape legend: as plugins/llama.py.
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, validate
+from plugins.llama import (LLAMA_RULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, tensor_parallel,
+                           validate)
 from registry import ArchSpec, hookimpl
 
 
@@ -30,4 +31,4 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("SmolLM3ForCausalLM",), "plugins.smollm3:SmolLM3ForCausalLM", "dense", rules=LLAMA_RULES,
-                      validate=validate))
+                      validate=validate, tensor_parallel=tensor_parallel))

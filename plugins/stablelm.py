@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from loader.rules import Stack
+from loader.rules import Shard, Stack
 from plugins.llama import (LLAMA_RULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
-                           ParallelDecoderLayer, validate)
+                           ParallelDecoderLayer, num_kv_heads_of, tensor_parallel as dense_tensor_parallel, validate)
 from registry import ArchSpec, hookimpl
 from zoo.layers.norm import LayerNorm, PerHeadNorm
 from zoo.runtime.batch import ForwardBatch
@@ -58,7 +58,15 @@ class StableLmForCausalLM(LlamaForCausalLM):
     model_class = StableLmModel
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split; the per-head q/k norms go with their heads: rank r reads the keys `q_layernorm.norms.{h}` of
+    its query heads and `k_layernorm.norms.{h}` of its KV heads (a stack split: which keys, not which slice)."""
+    return dense_tensor_parallel(config, size, shards=(
+        Shard(r"\.q_layernorm\.norms\.\d+\.weight$", "column", stack=True),
+        Shard(r"\.k_layernorm\.norms\.\d+\.weight$", "kv", heads=num_kv_heads_of(config), stack=True)))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("StableLmForCausalLM",), "plugins.stablelm:StableLmForCausalLM", "dense",
-                      rules=STABLELM_RULES, validate=validate))
+                      rules=STABLELM_RULES, validate=validate, tensor_parallel=tensor_parallel))

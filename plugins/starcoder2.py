@@ -5,9 +5,11 @@ Shape legend: as plugins/llama.py.
 """
 from __future__ import annotations
 
-from plugins.llama import LLAMA_RULES, validate
+from functools import partial
+
+from loader.rules import Shard
+from plugins.llama import LLAMA_RULES, LlamaModel, tensor_parallel, validate
 from plugins.mistral import MistralDecoderLayer, MistralForCausalLM
-from plugins.llama import LlamaModel
 from registry import ArchSpec, hookimpl
 from zoo.layers.mlp import MLP
 from zoo.layers.norm import LayerNorm
@@ -39,7 +41,13 @@ class Starcoder2ForCausalLM(MistralForCausalLM):
     model_class = Starcoder2Model
 
 
+# tensor parallelism: Llama's, the plain MLP's c_fc (and its bias) column-parallel, c_proj row-parallel (its bias
+# added once, after the sum)
+MLP_SHARDS = (Shard(r"\.c_fc\.(weight|bias)$", "column"), Shard(r"\.c_proj\.weight$", "row"))
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Starcoder2ForCausalLM",), "plugins.starcoder2:Starcoder2ForCausalLM", "dense",
-                      rules=LLAMA_RULES, validate=validate))
+                      rules=LLAMA_RULES, validate=validate,
+                      tensor_parallel=partial(tensor_parallel, shards=MLP_SHARDS)))

@@ -258,3 +258,105 @@ def test_checkpoint_missing_a_ranks_expert_slice_is_refused(moe_cases, tmp_path)
     assert (f"rank 1 of 2: {key} in model.safetensors has shape [64, 48] but "
             f"model.layers.0.mlp.experts.down_proj.weight[2] expects [64, 96]: rank 1's slice, cols 48:96, is not in "
             f"the checkpoint") in text
+
+
+# issue 36's Shard kinds, each case cut by hand from the files for rank r of 2 (layer 0): what the named rank-local
+# parameters must hold. KV 1 where KV heads are involved, so that both ranks hold the one KV head.
+def _fused(t: torch.Tensor, sizes: list[int], pick, dim: int = 0) -> torch.Tensor:
+    """The parts of `t` along `dim` (`sizes` of the full tensor), each cut by pick(part index, part), concatenated."""
+    return torch.cat([pick(i, p) for i, p in enumerate(t.split(sizes, dim=dim))], dim=dim)
+
+
+def _half(t: torch.Tensor, r: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(2, dim=dim)[r]
+
+
+NEW_KINDS = {
+    # Shard "fused": qkv_proj's q rows by heads, k / v rows (one KV head) on both ranks; gate_up_proj's halves
+    "Phi3ForCausalLM": (dict(num_key_value_heads=1), lambda f, r, a, m: {
+        f"{a}.qkv_proj.weight": _fused(f[f"{a}.qkv_proj.weight"], [64, 16, 16],
+                                       lambda i, p: _half(p, r) if i == 0 else p),
+        f"{m}.gate_up_proj.weight": _fused(f[f"{m}.gate_up_proj.weight"], [96, 96], lambda i, p: _half(p, r))}),
+    # a transposed (Conv1D [in, out]) key: column-parallel on its cols, row-parallel on its rows; c_attn "fused"
+    "GPT2LMHeadModel": ({}, lambda f, r, a, m: {
+        f"{a}.qkv_proj.weight": _fused(f["transformer.h.0.attn.c_attn.weight"], [64] * 3,
+                                       lambda i, p: _half(p, r, 1), dim=1).t(),
+        f"{a}.qkv_proj.bias": _fused(f["transformer.h.0.attn.c_attn.bias"], [64] * 3, lambda i, p: _half(p, r)),
+        f"{a}.o_proj.weight": _half(f["transformer.h.0.attn.c_proj.weight"], r).t(),
+        f"{a}.o_proj.bias": f["transformer.h.0.attn.c_proj.bias"],
+        f"{m}.c_fc.weight": _half(f["transformer.h.0.mlp.c_fc.weight"], r, 1).t(),
+        f"{m}.c_fc.bias": _half(f["transformer.h.0.mlp.c_fc.bias"], r),
+        f"{m}.c_proj.weight": _half(f["transformer.h.0.mlp.c_proj.weight"], r).t()}),
+    # heads interleaved [heads, (q, k, v), D]: a rank's 2 heads, rearranged to [(q, k, v), heads, D]
+    "GPTNeoXForCausalLM": ({}, lambda f, r, a, m: {
+        f"{a}.qkv_proj.weight": f["gpt_neox.layers.0.attention.query_key_value.weight"]
+        .view(4, 3, 16, 64)[2 * r:2 * r + 2].transpose(0, 1).reshape(96, 64)}),
+    # a stack Shard: the keys norms.{h} of the rank's query heads; the one KV head's on both ranks
+    "StableLmForCausalLM": (dict(num_key_value_heads=1), lambda f, r, a, m: {
+        f"{a}.q_layernorm.norms.weight": torch.stack([f[f"{a}.q_layernorm.norms.{h}.weight"]
+                                                      for h in (2 * r, 2 * r + 1)]),
+        f"{a}.k_layernorm.norms.weight": f[f"{a}.k_layernorm.norms.0.weight"][None]}),
+    # checkpoint-stacked experts: input_linear [E, 2I, H] "fused" on dim 1, output_linear [E, H, I] by dim 2
+    "GraniteMoeForCausalLM": ({}, lambda f, r, a, m: {
+        f"{m}.experts.gate_up_proj.weight": _fused(f["model.layers.0.block_sparse_moe.input_linear.weight"], [96, 96],
+                                                   lambda i, p: _half(p, r, 1), dim=1),
+        f"{m}.experts.down_proj.weight": _half(f["model.layers.0.block_sparse_moe.output_linear.weight"], r, 2)}),
+    # [E, in, out] experts by another dim than the kind's, down_proj_bias "once" (rank 0; zeros on rank 1), sinks
+    "GptOssForCausalLM": (dict(num_key_value_heads=1), lambda f, r, a, m: {
+        f"{m}.experts.gate_up_proj": _half(f[f"{m}.experts.gate_up_proj"], r, 2),
+        f"{m}.experts.gate_up_proj_bias": _half(f[f"{m}.experts.gate_up_proj_bias"], r, 1),
+        f"{m}.experts.down_proj": _half(f[f"{m}.experts.down_proj"], r, 1),
+        f"{m}.experts.down_proj_bias": f[f"{m}.experts.down_proj_bias"] * (r == 0),
+        f"{m}.router.bias": f[f"{m}.router.bias"], f"{a}.sinks": _half(f[f"{a}.sinks"], r)}),
+    # whole-width q / k norms split with the heads; Cohere's per-head rows likewise
+    "Olmo2ForCausalLM": ({}, lambda f, r, a, m: {f"{a}.q_norm.weight": _half(f[f"{a}.q_norm.weight"], r),
+                                                 f"{a}.k_norm.weight": _half(f[f"{a}.k_norm.weight"], r)}),
+    "CohereForCausalLM": ({}, lambda f, r, a, m: {f"{a}.q_norm.weight": _half(f[f"{a}.q_norm.weight"], r),
+                                                  f"{a}.k_norm.weight": _half(f[f"{a}.k_norm.weight"], r)}),
+}
+
+
+@pytest.mark.parametrize("arch", list(NEW_KINDS))
+def test_new_shard_kinds_load_the_slices_cut_by_hand(arch, tmp_path):
+    from tiny import save_tiny
+    from tiny_configs import TINY_CONFIGS, WIDE
+
+    overrides, cut = NEW_KINDS[arch]
+    path = save_tiny(arch, tmp_path / arch, randomize=True, **{**WIDE, **TINY_CONFIGS[arch], **overrides})
+    full = load_file(path / "model.safetensors")
+    model, rules, _ = _model(path, 2)
+    rp = plan_ranks(model, path, rules, 2)
+    assert rp.ok, rp.problems
+    for rank in range(2):
+        with torch.device("meta"):
+            local, _, _ = _model(path, 2)
+        report = load(local, path, rules, tp=Parallel(rank, 2))
+        assert report.bytes == rp.bytes(rank)
+        params = dict(local.named_parameters())
+        for name, want in cut(full, rank, "model.layers.0.self_attn", "model.layers.0.mlp").items():
+            assert torch.equal(params[name].detach(), want), f"{arch} rank {rank}: {name}"
+
+
+def test_shard_rules_that_cannot_apply_are_named(tmp_path):
+    """A Shard that cannot describe a split is refused when it is made; one that does not fit its key is a problem
+    naming the key, the parameter and why."""
+    from loader.rules import Rules, Shard
+    from tiny import save_tiny
+
+    with pytest.raises(ValueError, match="a 'fused' shard, and only it, has parts"):
+        Shard(r"\.qkv_proj\.weight$", "fused")
+    with pytest.raises(ValueError, match="'kv' shard needs heads > 0"):
+        Shard(r"\.qkv_proj\.weight$", "fused", parts=("column", "kv", "kv"))
+    with pytest.raises(ValueError, match="a stack shard splits by 'column' or 'kv', not 'row'"):
+        Shard(r"\.norms\.\d+\.weight$", "row", stack=True)
+    path = save_tiny("GPTNeoXForCausalLM", tmp_path / "neox")
+    model, rules, _ = _model(path, 2)
+    wrong = Rules(shards=(Shard(r"\.query_key_value\.weight$", "row"), Shard(r"\.dense_h_to_4h\.weight$", "column",
+                                                                             stack=True))) + rules
+    text = "\n".join(map(str, plan_ranks(model, path, wrong, 2).problems))
+    assert ("gpt_neox.layers.0.attention.query_key_value.weight in model.safetensors -> "
+            "model.layers.0.self_attn.qkv_proj.weight: a key held in another layout (interleave) cannot be "
+            "row-parallel on dim 1") in text
+    assert ("gpt_neox.layers.0.mlp.dense_h_to_4h.weight in model.safetensors -> "
+            "model.layers.0.mlp.dense_h_to_4h.weight: a stack shard needs a key that a Stack rule maps to a row of its "
+            "parameter") in text

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tiny import load_reference, save_tiny
-from tiny_configs import TINY_CONFIGS
+from tiny_configs import TINY_CONFIGS, save_arch
 from loader import plan_ranks
 from registry import get_registry
 from zoo import LLM
@@ -96,6 +96,68 @@ def test_tp2_equals_transformers(name, tmp_path, shared):
     # peak memory above the baseline: measured (bench/tp.py reports it); a 0.2 MB model may fit in pages the
     # shared worker already holds from the models before it, so zero is a right answer here
     assert stats[1]["report"].startswith("rank 1 of 2: ") and all(s["peak_bytes"] >= 0 for s in stats)
+
+
+# issue 36: the layouts of every other dense and MoE architecture, each on its tiny checkpoint (tests/tiny_configs.py)
+NEW_LAYOUTS = {
+    "GemmaForCausalLM": "Llama's layout; (1 + w) norms, scaled embedding, tied head",
+    "Gemma2ForCausalLM": "sliding / full layers, attention and logit softcaps (the head's on each rank's columns)",
+    "Gemma3ForCausalLM": "per-head q/k norms replicated, norms around both blocks",
+    "Phi3ForCausalLM": "checkpoint-fused qkv_proj / gate_up_proj read part by part (Shard 'fused')",
+    "Olmo2ForCausalLM": "whole-width q/k norms: the sum of squares all-reduced (WholeWidthRMS)",
+    "GraniteForCausalLM": "the four multipliers; the head's divisor on each rank's columns",
+    "SmolLM3ForCausalLM": "NoPE layers",
+    "Starcoder2ForCausalLM": "plain MLP c_fc / c_proj with biases (c_proj's added once)",
+    "StableLmForCausalLM": "per-head q/k norms as stacked keys (a stack Shard: which keys a rank reads)",
+    "CohereForCausalLM": "per-head q/k norm rows split with the heads, a parallel block, a logit scale",
+    "PhiForCausalLM": "fc1 / fc2 and `dense` with biases, a biased head split by vocab",
+    "GPTNeoXForCausalLM": "query_key_value with heads interleaved: a rank's heads one run of rows, rearranged",
+    "GPT2LMHeadModel": "transposed Conv1D keys (c_attn read part by part), learned positions replicated",
+    "OlmoeForCausalLM": "whole-width q/k norms, experts split by intermediate size",
+    "GraniteMoeForCausalLM": "checkpoint-stacked experts: input_linear's gate / up halves, output_linear's cols",
+    "GptOssForCausalLM": "sinks split with the heads, [E, in, out] experts, down_proj_bias on rank 0 only ('once')",
+}
+
+
+@pytest.mark.parametrize("arch", list(NEW_LAYOUTS))
+def test_tp2_parity_of_each_new_layout(arch, tmp_path, shared):
+    """`zoo parity --tensor-parallel-size 2` (prefill and decode) passes on the architecture's tiny checkpoint."""
+    from parity.harness import run_parity
+
+    result = run_parity(str(save_arch(arch, tmp_path / arch)), scenarios=("prefill", "decode"),
+                        tensor_parallel_size=2)
+    for name, s in result.scenarios.items():
+        assert s.passed, f"{arch} ({NEW_LAYOUTS[arch]}) {name}: {s.failures} first divergence {s.first_divergence}"
+        assert s.comparison.taps, f"{arch} {name}: nothing compared"
+
+
+def test_tp2_parity_whole_width_norm_over_a_replicated_kv_head(tmp_path, shared):
+    """OLMo-2 with 1 KV head: both ranks hold it, so k_norm's sum of squares over the ranks counts it twice, as the
+    width does (WholeWidthRMS)."""
+    from parity.harness import run_parity
+
+    path = save_tiny("Olmo2ForCausalLM", tmp_path / "kv1", initializer_range=0.2, randomize=True, num_key_value_heads=1)
+    result = run_parity(str(path), scenarios=("prefill",), tensor_parallel_size=2)
+    assert result.scenarios["prefill"].passed, result.scenarios["prefill"].first_divergence
+
+
+@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "GptOssForCausalLM"])
+def test_tp2_greedy_tokens_equal_one_process(arch, tmp_path, shared):
+    """Issue 36's acceptance on a new dense (fused checkpoint tensors) and a new MoE layout (biased experts, sinks):
+    TP=2 generates what one process generates."""
+    path = save_arch(arch, tmp_path / arch)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    one = LLM(str(path), num_blocks=32, block_size=4)
+    try:
+        expected = [o.token_ids for o in one.generate(PROMPTS, params)]
+    finally:
+        one.close()
+    two = LLM(str(path), tensor_parallel_size=2, num_blocks=32, block_size=4)
+    try:
+        got = [o.token_ids for o in two.generate(PROMPTS, params)]
+    finally:
+        two.close()
+    assert got == expected and all(len(set(t)) > 1 for t in expected), (got, expected)
 
 
 def test_torchrun_launches_the_same_reply(tmp_path, capsys, shared):
