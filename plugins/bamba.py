@@ -19,7 +19,7 @@ from torch import nn
 
 from plugins.llama import LLAMA_RULES, LlamaDecoderLayer
 from plugins.llama import validate as validate_llama
-from plugins.mamba2 import mamba2_mixer, validate_ssd
+from plugins.mamba2 import NO_TENSOR_PARALLEL, mamba2_mixer, validate_ssd
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.norm import RMSNorm
@@ -110,4 +110,4 @@ def validate(config) -> None:
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("BambaForCausalLM",), "plugins.bamba:BambaForCausalLM", "hybrid-ssm", rules=BAMBA_RULES,
-                      validate=validate))
+                      validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))  # Mamba2's mixers

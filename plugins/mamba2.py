@@ -96,7 +96,13 @@ def validate(config) -> None:
     validate_ssd(config, heads="num_heads", head_dim="head_dim", groups="n_groups", expand="expand")
 
 
+# tensor parallelism: not yet (issue 36, part 2), said when asked for
+NO_TENSOR_PARALLEL = ("the Mamba2 mixers (in_proj's gate / x / B / C / dt groups, conv1d channels, A / D / dt_bias "
+                      "per head, the gated norm per group) and the recurrent state pool are not split per rank yet: "
+                      "issue 36, part 2")
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Mamba2ForCausalLM",), "plugins.mamba2:Mamba2ForCausalLM", "hybrid-ssm", rules=MAMBA2_RULES,
-                      validate=validate))
+                      validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))

@@ -22,7 +22,7 @@ from torch import nn
 
 from loader.rules import Rename, Rules
 from plugins.llama import LLAMA_RULES, head_dim_of, validate as validate_text
-from plugins.llava import MultimodalEmbedding
+from plugins.llava import NO_TENSOR_PARALLEL, MultimodalEmbedding
 from plugins.qwen2 import Qwen2DecoderLayer, Qwen2Model
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead
@@ -143,4 +143,5 @@ def validate(config) -> None:
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen2VLForConditionalGeneration",), "plugins.qwen2_vl:Qwen2VLForConditionalGeneration",
-                      "multimodal", rules=QWEN2_VL_RULES, validate=validate))
+                      "multimodal", rules=QWEN2_VL_RULES, validate=validate,
+                      no_tensor_parallel=NO_TENSOR_PARALLEL))

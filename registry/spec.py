@@ -21,6 +21,7 @@ class ArchSpec:
     # tensor parallelism: (config, size) -> (the rank-local config the model is built from, the Shard rules);
     # raises ValueError naming the config field that does not split. None: the architecture has no TP yet.
     tensor_parallel: Callable[[Any, int], tuple[Any, Rules]] | None = None
+    no_tensor_parallel: str = ""  # without a layout: why not (said when one is asked for)
     override: bool = False  # replace another plugin's claim on the same architecture
     plugin: str = ""  # filled in by the registry: the plugin that registered it
 

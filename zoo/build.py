@@ -96,8 +96,9 @@ def tensor_parallel_model(spec, config, size: int):
     """(rank-local model on meta, rules with the Shard specs) for a tensor-parallel group of `size`; every
     rank builds the same shapes. ValueError naming the architecture or the config field that cannot split."""
     if spec.tensor_parallel is None:
+        why = f" ({spec.no_tensor_parallel})" if spec.no_tensor_parallel else ""
         raise ValueError(f"architecture {spec.architectures[0]} (plugin {spec.plugin}) has no tensor-parallel "
-                         f"layout yet; run it with tensor parallel size 1")
+                         f"layout yet{why}; run it with tensor parallel size 1")
     local, shard_rules = spec.tensor_parallel(config, size)
     with torch.device("meta"):
         model = spec.build(local)
