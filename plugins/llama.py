@@ -258,6 +258,9 @@ def tensor_parallel(config, size: int, *, fields: tuple[str, ...] = ("intermedia
         Shard(r"\.(q_proj|gate_proj|up_proj)\.(weight|bias)$", "column"),
         Shard(r"\.(k_proj|v_proj)\.(weight|bias)$", "kv", heads=kv),
         Shard(r"\.(o_proj|down_proj)\.weight$", "row"),
+        # MoE experts as transformers v5 saves them fused (save_original_format=False): [E, 2I, H] gate | up, [E, H, I]
+        Shard(r"\.experts\.gate_up_proj$", "fused", dim=1, parts=("column", "column")),
+        Shard(r"\.experts\.down_proj$", "row", dim=2),
         Shard(rf"(^|\.)({'|'.join(('embed_tokens', 'lm_head') + vocab_keys)})\.(weight|bias)$", "vocab",
               size=config.vocab_size),
     ))

@@ -360,3 +360,33 @@ def test_shard_rules_that_cannot_apply_are_named(tmp_path):
     assert ("gpt_neox.layers.0.mlp.dense_h_to_4h.weight in model.safetensors -> "
             "model.layers.0.mlp.dense_h_to_4h.weight: a stack shard needs a key that a Stack rule maps to a row of its "
             "parameter") in text
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "OlmoeForCausalLM"])
+def test_experts_saved_fused_by_transformers_v5_split_by_intermediate_size(arch, tmp_path):
+    """save_pretrained(save_original_format=False) stacks and fuses the experts: experts.gate_up_proj [E, 2I, H]
+    (gate | up), experts.down_proj [E, H, I]. Each rank reads its part of the gate half and of the up half, and its
+    cols of down_proj; cut by hand."""
+    import transformers
+
+    from tiny import tiny_config
+    from tiny_configs import TINY_CONFIGS
+
+    torch.manual_seed(0)
+    ref = getattr(transformers, arch)(tiny_config(arch, **TINY_CONFIGS[arch]))
+    ref.save_pretrained(tmp_path / arch, save_original_format=False)
+    path = tmp_path / arch
+    full = load_file(path / "model.safetensors")
+    gate_up, down = full["model.layers.0.mlp.experts.gate_up_proj"], full["model.layers.0.mlp.experts.down_proj"]
+    model, rules, _ = _model(path, 2)
+    assert plan_ranks(model, path, rules, 2).ok
+    inter = down.shape[2]
+    for rank in range(2):
+        with torch.device("meta"):
+            local, _, _ = _model(path, 2)
+        load(local, path, rules, tp=Parallel(rank, 2))
+        params = dict(local.named_parameters())
+        mine = _part(inter, rank, 2)
+        assert torch.equal(params["model.layers.0.mlp.experts.gate_up_proj.weight"],
+                           torch.cat([gate_up[:, :inter][:, mine], gate_up[:, inter:][:, mine]], dim=1))
+        assert torch.equal(params["model.layers.0.mlp.experts.down_proj.weight"], down[:, :, mine])
