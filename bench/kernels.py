@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     print(f"threads {args.threads}, torch {torch.__version__}; {len(weights)} {args.dtype} matrices, "
           f"{nbytes / 1e6:.0f} MB; "
           f"read bandwidth {gbs:.1f} GB/s (torch.sum over 1 GiB); floor {nbytes / gbs / 1e6:.1f} ms per pass\n")
+    print_table(["machine", "what runs"], kernels.describe().items())
+    print()
 
     # the same matrices packed end to end in reading order (kernels.pack_weights, as the runtime does)
     holder = torch.nn.ParameterList([torch.nn.Parameter(w.clone(), requires_grad=False) for w in weights])

@@ -256,6 +256,8 @@ def main(argv=None) -> int:
                       f"{med(l for _, l in res['pp']):.0f}", f"{med(pp_rounds):.2f}x",
                       f"{min(pp_rounds):.2f}-{max(pp_rounds):.2f}x"))
     print_table(["dtype", "work", "zoo", "llama.cpp", "zoo / llama.cpp (median of rounds)", "rounds"], table)
+    print()
+    print_table(["machine", "what runs"], kernels.describe().items())
     print("\n(tg: zoo's time over llama.cpp's, below 1 is zoo faster; pp: zoo's throughput over llama.cpp's, "
           "above 1 is zoo faster)")
     if "float32" in results and "bfloat16" in results:

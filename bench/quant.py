@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     print(f"SmolLM2-135M-Instruct {path.name}, {args.threads} threads; load average {load_start[0]:.1f} at the "
           f"start, {os.getloadavg()[0]:.1f} at the end")
     print_table(("measure", "value", "ratio", "goal", "verdict"), rows)
+    print()
+    print_table(["machine", "what runs"], kernels.describe().items())
     return 0
 
 

@@ -495,3 +495,18 @@ def test_mamba2_mix_refuses_bad_slots():
             kernels.mamba2_mix(zx, slots=slots, **args)
     with pytest.raises(ValueError, match="starts"):
         kernels.mamba2_mix(zx, slots=[0, 1], **{**args, "starts": [0, 2, 1]})
+
+
+def test_describe_names_what_the_build_runs():
+    """The benches print describe(): the build's instruction sets come from the compiler's macros, and every one is
+    a flag this CPU advertises (a build that claimed more would SIGILL); each op family names its path."""
+    info = kernels.describe()
+    assert info["cpu"] and "kernels" not in info, info
+    cpu_flags = set(info["cpu flags"].split())
+    spelled = {"avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avxvnni": "avx_vnni", "amx-tile": "amx_tile"}
+    built = {spelled.get(f, f) for f in info["built isa"].split()}
+    assert built <= cpu_flags, (built, cpu_flags)
+    assert ("avx2" in built) == ("avx2" in cpu_flags)
+    assert "ymm" in info["linear float32"] or "zmm" in info["linear float32"] or "generic" in info["linear float32"]
+    assert ("zmm" in info["linear float32"]) == ("avx512f" in built)
+    assert info["quantized activations"] == {16: "int16", 8: "int8", 0: "float32"}[kernels.activation_bits()]

@@ -10,7 +10,8 @@ also costs a dozen small torch ops whose dispatch adds up over 30 layers. `cpu.c
 per layer op (see its comments for the layouts); bench/kernels.py measures them against torch. Also here:
 `argmax` (greedy sampling), `pack_weights` (the float32 or bfloat16 weights end to end in reading order, in huge
 pages; `packed_allocator` has the loader read them there directly) and
-`huge_empty` (KV caches in huge pages); `zoo.kernels.fused` runs a whole Llama-structured step natively.
+`huge_empty` (KV caches in huge pages); `zoo.kernels.fused` runs a whole Llama-structured step natively;
+`describe()` says what the CPU advertises and what the build runs per op family (the benches print it).
 
 Use from a layer:
 
@@ -90,7 +91,9 @@ _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_moe_experts_bf16"] = _SIGNATURES["zoo_moe_experts"]
 _SIGNATURES["zoo_mla_decode_bf16"] = _SIGNATURES["zoo_mla_decode"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
-_RESTYPES = {"zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
+_SIGNATURES["zoo_kernel_paths"] = []
+_RESTYPES = {"zoo_kernel_paths": ctypes.c_char_p,
+             "zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
              "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int,
              "zoo_mla_decode_bf16": ctypes.c_int}
@@ -250,6 +253,34 @@ def stored(*tensors: torch.Tensor) -> bool:
     """Whether weights or caches are CPU tensors of one dtype the native kernels read: float32, or bfloat16 widened
     (zoo's bfloat16 storage under float32 activations; `fast` checks the activations)."""
     return tensors[0].dtype in PACKED and all(t.dtype is tensors[0].dtype and t.is_cpu for t in tensors)
+
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")  # the /proc/cpuinfo flags the kernels' choices depend on
+
+
+def describe() -> dict[str, str]:
+    """What this machine's CPU advertises (its model, the ISA_FLAGS present) and what the built kernels run: the
+    instruction sets the build used (-march=native) and the path of each op family. The benches print it, so a
+    figure is read with the kernel that made it."""
+    info = {"cpu": platform.processor() or platform.machine(), "cpu flags": ""}
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), info["cpu"])
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith(("flags", "Features"))), [])
+        info["cpu flags"] = " ".join(f for f in ISA_FLAGS if f in flags) or "(none of " + " ".join(ISA_FLAGS) + ")"
+    except OSError:
+        pass
+    lib = _load() if _on else None
+    if lib is None:
+        info["kernels"] = "off (torch ops)" if not _on else "did not build (torch ops)"
+        return info
+    for part in lib.zoo_kernel_paths().decode().split(";"):
+        key, _, value = part.partition("=")
+        info["built " + key if key == "isa" else key] = value.strip()
+    info["quantized activations"] = {16: "int16", 8: "int8", 0: "float32"}[_act_bits]
+    return info
 
 
 def cache_dir() -> Path:

@@ -34,3 +34,62 @@
 #include "cpu/ssm.h"
 #include "cpu/sampling.h"
 #include "cpu/fused.h"
+
+// What this build runs, from the compiler's macros (the instructions -march=native granted), not from cpuid: a
+// flag the CPU advertises but the build does not use is absent here. Printed by the benches (kernels.describe()).
+extern "C" const char* zoo_kernel_paths() {
+    return "isa="
+#if defined(__AVX512F__)
+           "avx512f "
+#endif
+#if defined(__AVX512VNNI__)
+           "avx512vnni "
+#endif
+#if defined(__AVX512BF16__)
+           "avx512bf16 "
+#endif
+#if defined(__AVXVNNI__)
+           "avxvnni "
+#endif
+#if defined(__AMX_TILE__)
+           "amx-tile "
+#endif
+#if defined(__AVX2__)
+           "avx2 "
+#endif
+#if defined(__FMA__)
+           "fma "
+#endif
+#if defined(__F16C__)
+           "f16c"
+#endif
+           ";linear float32="
+#if defined(__AVX512F__)
+           "register-tiled GEMM, 16-lane zmm panels (vfmadd231ps zmm)"
+#elif defined(__FMA__)
+           "register-tiled GEMM, 8-lane ymm panels (vfmadd231ps ymm)"
+#else
+           "register-tiled GEMM, generic vectors (no FMA)"
+#endif
+           ";linear bfloat16="
+#if defined(__AVX2__) && !defined(__AVX512F__)
+           "even/odd lanes (shift and mask, x permuted to match), float32 FMA"
+#elif defined(__AVX512F__)
+           "vpmovzxwd widening to zmm, float32 FMA (vdpbf16ps unused)"
+#else
+           "widened element by element, float32 arithmetic"
+#endif
+           ";quantized GEMV="
+#if defined(__AVX2__)
+           "int16 activations vpmaddwd (default) or int8 vpmaddubsw+vpmaddwd, ymm (VNNI vpdpbusd unused)"
+#else
+           "dequantised float32"
+#endif
+           ";vector registers="
+#if defined(__AVX512VL__)
+           "32"
+#else
+           "16"
+#endif
+        ;
+}
