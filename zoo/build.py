@@ -58,7 +58,7 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     if tp is not None:
         from zoo.layers.parallel import parallelize
 
-        parallelize(model, rules, tp.rank, config.vocab_size)
+        parallelize(model, rules, tp.rank, config.get_text_config().vocab_size)
     return model.eval(), config, spec, report
 
 

@@ -14,8 +14,13 @@ built on a rank > 0 does too, and ends the process when rank 0 closes).
 
 Each rank loads only its slices (loader Shard rules). Rank 0 tells the workers what to do on a control group
 whose wait never times out (a worker may idle between requests for as long as rank 0 does): "caches" (a pool
-of the engine's shape, its heads only), "forward" (the step's metadata: token ids, positions, slots, block
-tables), "logits" (the hidden rows rank 0 takes the head of), "load" / "release" (a kept pool, below), "stop".
+of the engine's shape, its heads only; a hybrid model's recurrent state slots and snapshots as many as rank 0's,
+each holding its heads' / channels' states), "forward" (the step's metadata: token ids, positions, slots, block
+tables; a hybrid's state slots and the snapshot saves / restores rank 0 ran before the step, run on the worker's
+own states first; a multimodal step's image features and M-RoPE positions), "encode" (the images rank 0's encoder
+cache missed: a vision tower split by heads runs on every rank, its all-reduces joined; the features that the
+step merges then travel with "forward", so only rank 0 keeps an encoder cache), "logits" (the hidden rows rank 0
+takes the head of), "load" / "release" (a kept pool, below), "stop".
 The row-parallel sums and the vocab gathers (zoo/layers/parallel.py) are collectives of the default group,
 each with a timeout; a rank that dies ends the run with an error naming it. Sampling happens on rank 0 only.
 
@@ -43,7 +48,9 @@ STEP_TIMEOUT = 20.0  # seconds a collective waits for the other ranks (a dead ra
 JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after close()
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step: as long as rank 0 idles
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "positions", "slot_mapping", "block_tables", "logits_indices",
-                "block_size", "query_start_loc_cpu", "seq_lens_cpu", "num_tokens_cpu")
+                "block_size", "query_start_loc_cpu", "seq_lens_cpu", "num_tokens_cpu",
+                "state_indices", "state_indices_cpu", "has_initial_state_cpu",  # hybrid SSM: each request's slot
+                "mm_positions", "mm_embeds", "mrope_positions")  # multimodal: the step's image rows, M-RoPE
 
 
 class TensorParallelError(RuntimeError):
@@ -130,12 +137,13 @@ def _stats(rank: int, report, peak: Peak) -> dict:
 def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
     """A worker's loop: load its slices, then do what rank 0 says until it says stop."""
     from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
+    from zoo.runtime.state_pool import allocate_states, apply_copies, state_specs
 
     _check_layout(path, size)  # what rank 0 did before its baseline (imports the config, registry and plugins)
     peak = Peak()
     model, _, _, report = _load(path, rank, size, dtype)
     _set_timeout(STEP_TIMEOUT)
-    caches = {}
+    caches, states, snapshots = {}, {}, {}
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=0, group=ctl)
@@ -144,13 +152,22 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
         if op == "stop":
             return
         if op == "forward":
+            apply_copies(step["state_copies"], states, snapshots)  # rank 0's snapshot saves / restores, in order
             with torch.inference_mode():
-                model(step["input_ids"], step["positions"], ForwardBatch(kv_caches=caches, **step["batch"]))
+                model(step["input_ids"], step["positions"],
+                      ForwardBatch(kv_caches=caches if step["cached"] else {},
+                                   ssm_states=states if step["states"] else {}, **step["batch"]))
         elif op == "logits":
             with torch.inference_mode():
                 model.compute_logits(step["hidden"])  # [N, H] -> [N, V]: joins the gather; rank 0 samples
+        elif op == "encode":
+            with torch.inference_mode():
+                model.encode_images(step["items"])  # joins the split tower's all-reduces; rank 0 keeps the output
         elif op == "caches":
             caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
+            specs = state_specs(model)  # this rank's heads / channels: shapes from its rank-local model
+            states = allocate_states(specs, step["state_slots"]) if specs else {}
+            snapshots = allocate_states(specs, step["state_snapshots"]) if specs and step["state_snapshots"] else {}
         elif op == "stats":
             dist.all_gather_object([None] * size, _stats(rank, report, peak))
         elif op == "release":  # a kept pool: the group that used this model closed
@@ -311,7 +328,8 @@ class TensorParallelGroup:
             self.close(keep=False)
             raise
         _set_timeout(STEP_TIMEOUT)
-        self.hooked = False
+        self.runner = None  # the attached engine's model runner (its state snapshot copies go with each step)
+        self._mirror()
 
     @property
     def workers(self) -> list:
@@ -321,22 +339,37 @@ class TensorParallelGroup:
     def _send(self, msg: dict) -> None:
         dist.broadcast_object_list([msg], src=0, group=self.ctl)
 
+    def _mirror(self) -> None:
+        """Every forward, head and encoder call of rank 0's model is one on each worker, with the same inputs (a
+        forward outside an engine too: parity's one-shot image forward)."""
+        self.model.register_forward_pre_hook(self._broadcast_step)
+        head = self.model.compute_logits
+
+        def compute_logits(hidden):  # on the same rows
+            self._send({"op": "logits", "hidden": hidden.detach()})
+            return head(hidden)
+
+        self.model.compute_logits = compute_logits
+        if callable(getattr(self.model, "encode_images", None)):
+            encode = self.model.encode_images
+
+            def encode_images(items):  # on the same images
+                self._send({"op": "encode", "items": items})
+                return encode(items)
+
+            self.model.encode_images = encode_images
+
     def attach(self, engine) -> None:
-        """Size the workers' caches as the engine's pool, and mirror every forward and head of the model (another
-        engine on the same group may attach later: parity runs one per scenario)."""
-        runner = engine.runner
+        """Size the workers' caches (KV blocks, recurrent state slots and snapshots) as the engine's pool, and send the
+        engine's state snapshot copies with each step (another engine on the same group may attach later: parity runs
+        one per scenario)."""
+        runner = self.runner = engine.runner
+        runner.keep_state_copies = True
+        slots, snapshots = engine.kv.state_slots, engine.kv.state_snapshots
         self._guard(self._send, {"op": "caches", "num_blocks": engine.kv.pool.num_blocks,
-                                 "block_size": runner.block_size})
-        if not self.hooked:
-            self.hooked = True
-            self.model.register_forward_pre_hook(self._broadcast_step)
-            head = self.model.compute_logits
-
-            def compute_logits(hidden):  # every head call on rank 0 is one on each worker, on the same rows
-                self._send({"op": "logits", "hidden": hidden.detach()})
-                return head(hidden)
-
-            self.model.compute_logits = compute_logits
+                                 "block_size": runner.block_size,
+                                 "state_slots": slots.num_slots if slots is not None else 0,
+                                 "state_snapshots": snapshots.num_snapshots if snapshots is not None else 0})
         execute = runner.execute
 
         def guarded(*args, **kwargs):  # a failing collective inside the step becomes an error naming the rank
@@ -354,7 +387,9 @@ class TensorParallelGroup:
 
     def _broadcast_step(self, module, args) -> None:
         input_ids, positions, batch = args
-        self._send({"op": "forward", "input_ids": input_ids, "positions": positions,
+        copies = self.runner.take_state_copies() if self.runner is not None else []
+        self._send({"op": "forward", "input_ids": input_ids, "positions": positions, "state_copies": copies,
+                    "cached": bool(batch.kv_caches), "states": bool(batch.ssm_states),  # (none: a whole prompt)
                     "batch": {f: getattr(batch, f) for f in BATCH_FIELDS}})
 
     def _guard(self, fn, *args, **kwargs):

@@ -85,6 +85,15 @@ class ModelRunner:
         self.step_path = f"fused native step (one call per step{images})" if self.fused is not None else \
             f"module path ({'native kernels per module' if native else self._kernels()}): the fused step does not apply: {built}"
         self.mm: MultiModal | None = None  # the engine sets it for a model that takes images
+        # snapshot copies run since the last take_state_copies(), kept when a tensor-parallel group is attached
+        self.keep_state_copies = False
+        self.state_copies: list[tuple[str, int, int]] = []
+
+    def take_state_copies(self) -> list[tuple[str, int, int]]:
+        """The state snapshot saves / restores run on this process's states since the last call, in order (a
+        tensor-parallel group sends them to its workers with the step: zoo/runtime/distributed.py)."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
 
     def _kernels(self) -> str:
         if not self.device_path:
@@ -121,7 +130,10 @@ class ModelRunner:
                     self.prompt_targets.append((req, p))
         width = max(len(t) for t in tables)
         if kv.state_snapshots is not None:  # queued boundary snapshots (saves) and prefix-hit restores
-            apply_copies(kv.state_snapshots.drain(), self.ssm_states, self.state_snapshots)
+            copies = kv.state_snapshots.drain()
+            apply_copies(copies, self.ssm_states, self.state_snapshots)
+            if self.keep_state_copies:  # (tensor parallelism: each worker runs them on its own states)
+                self.state_copies += copies
         return StepLists(ids, positions, slots, qsl, seq_lens, [s.request.num_tokens for s in out.scheduled],
                          [b for t in tables for b in (t + [0] * (width - len(t)))], width, sample_rows + prompt_rows)
 
