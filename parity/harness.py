@@ -70,9 +70,10 @@ SCENARIO_HINTS = {
 }
 
 
-TP_TAPS = ("the points every rank holds whole: embeddings (after the vocab-parallel sum), norms, attention and "
-           "MLP / MoE outputs (after their all-reduce), routers, layer outputs, final norm, logits (gathered over the "
-           "vocab); not compared: column-split activations inside a block and a shared expert's partial sum")
+TP_TAPS = ("the points every rank holds whole: embeddings (after the vocab-parallel sum), norms, attention, SSM "
+           "mixer and MLP / MoE outputs (after their all-reduce), Jamba's x_proj (all-reduced), routers, layer outputs, "
+           "final norm, logits (gathered over the vocab); not compared: column-split activations inside a block (an "
+           "SSM mixer's in_proj and gated norm) and a shared expert's partial sum")
 
 
 class ParityUsageError(Exception):

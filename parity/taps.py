@@ -92,8 +92,9 @@ ROLES: tuple[tuple[str, re.Pattern], ...] = tuple(
     )
 )
 # tensor parallelism: the roles whose output every rank holds whole (after a row-parallel all-reduce or the vocab
-# gather); the rest (a shared expert's partial sum, SSM mixers) are a rank's part only
-TP_REPLICATED_ROLES = ("embed", "norm", "attn", "mlp", "router", "layer", "final_norm")
+# gather: an SSM mixer's out_proj, Jamba's x_proj); the rest (a shared expert's partial sum, an SSM mixer's in_proj
+# and gated norm, split by heads or channels) are a rank's part only
+TP_REPLICATED_ROLES = ("embed", "norm", "attn", "mixer", "mixer_conv", "mlp", "router", "layer", "final_norm")
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
 
 

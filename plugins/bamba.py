@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loader.rules import Rules
 from plugins.llama import LLAMA_RULES, LlamaDecoderLayer
-from plugins.llama import validate as validate_llama
-from plugins.mamba2 import NO_TENSOR_PARALLEL, mamba2_mixer, validate_ssd
+from plugins.llama import tensor_parallel as dense_tensor_parallel, validate as validate_llama
+from plugins.mamba2 import mamba2_mixer, ssd_tensor_parallel, validate_ssd
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.norm import RMSNorm
@@ -107,7 +108,14 @@ def validate(config) -> None:
                  expand="mamba_expand")
 
 
+def tensor_parallel(config, size: int):
+    """Llama's split for the attention layers and the MLPs, Mamba2's for the mixers (by heads, B / C by groups)."""
+    local, rules = dense_tensor_parallel(config, size)
+    mixers = ssd_tensor_parallel(config, local, size, heads="mamba_n_heads", groups="mamba_n_groups", module="mamba")
+    return local, Rules(shards=mixers) + rules
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("BambaForCausalLM",), "plugins.bamba:BambaForCausalLM", "hybrid-ssm", rules=BAMBA_RULES,
-                      validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))  # Mamba2's mixers
+                      validate=validate, tensor_parallel=tensor_parallel))

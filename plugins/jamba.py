@@ -13,9 +13,9 @@ D, dt_layernorm, b_layernorm, c_layernorm, out_proj}`, `feed_forward.router.weig
 """
 from __future__ import annotations
 
-from loader.rules import Rename, Rules
+from loader.rules import Rename, Rules, Shard
 from plugins.bamba import HybridDecoderLayer, HybridForCausalLM, HybridModel
-from plugins.llama import LLAMA_RULES, num_kv_heads_of
+from plugins.llama import LLAMA_RULES, head_dim_of, num_kv_heads_of, tensor_parallel as dense_tensor_parallel
 from plugins.mixtral import MOE_RULES
 from registry import ArchSpec, hookimpl
 from zoo.layers.mamba import MambaMixer
@@ -26,14 +26,13 @@ JAMBA_RULES = LLAMA_RULES + Rules(renames=(Rename(".feed_forward.router.", ".fee
 
 class JambaDecoderLayer(HybridDecoderLayer):
     def attention_kwargs(self, config, layer_idx: int) -> dict:
-        # diff with Llama: no rotary, no biases, head_dim = hidden / heads
-        head_dim = config.hidden_size // config.num_attention_heads
+        # diff with Llama: no rotary, no biases, head_dim = hidden / heads (a rank-local config's is set)
         return dict(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-                    num_kv_heads=num_kv_heads_of(config), head_dim=head_dim, rope=None)
+                    num_kv_heads=num_kv_heads_of(config), head_dim=head_dim_of(config), rope=None)
 
     def make_mixer(self, config, layer_idx: int, prefix: str):
         # diff with Bamba: Mamba1's selective scan, with RMS norms on dt, B and C
-        return MambaMixer(hidden_size=config.hidden_size, intermediate_size=config.mamba_expand * config.hidden_size,
+        return MambaMixer(hidden_size=config.hidden_size, intermediate_size=mamba_channels(config),
                           state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
                           dt_rank=config.mamba_dt_rank, norm_eps=config.rms_norm_eps,
                           use_bias=config.mamba_proj_bias, use_conv_bias=config.mamba_conv_bias, prefix=prefix)
@@ -68,11 +67,32 @@ def validate(config) -> None:
                          f"1..num_experts={config.num_experts}")
 
 
-NO_TENSOR_PARALLEL = ("the Mamba1 mixers (in_proj / conv1d / x_proj / dt_proj / A_log / D by inner channels) and "
-                      "the recurrent state pool are not split per rank yet: issue 36, part 2")
+def mamba_channels(config) -> int:
+    """The mixer's inner channels I: mamba_expand x hidden_size (a rank-local config's share: mamba_channels)."""
+    return getattr(config, "mamba_channels", None) or config.mamba_expand * config.hidden_size
+
+
+# tensor parallelism: the Mamba1 mixers by inner channels, as vLLM splits them: in_proj's x and z halves, conv1d,
+# dt_proj (weight and bias), A_log and D by channels; x_proj row-parallel (dt, B and C sum over every channel: its
+# output all-reduced, so the dt / B / C norms, replicated, see them whole), out_proj row-parallel
+MAMBA1_SHARDS = (Shard(r"\.mamba\.in_proj\.(weight|bias)$", "fused", parts=("column", "column")),
+                 Shard(r"\.mamba\.(conv1d\.(weight|bias)|dt_proj\.(weight|bias)|A_log|D)$", "column"),
+                 Shard(r"\.mamba\.(x_proj|out_proj)\.weight$", "row"))
+
+
+def tensor_parallel(config, size: int):
+    """Llama's split for the attention layers and the MLPs and experts (each expert by intermediate size, the router
+    replicated), MAMBA1_SHARDS for the mixers; each rank's state slots hold its channels' conv and SSM states."""
+    channels = mamba_channels(config)
+    if channels % size:
+        raise ValueError(f"config.mamba_expand x hidden_size = {channels} Mamba channels do not split over tensor "
+                         f"parallel size {size}")
+    local, rules = dense_tensor_parallel(config, size)
+    local.mamba_channels = channels // size
+    return local, Rules(shards=MAMBA1_SHARDS) + rules
 
 
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("JambaForCausalLM",), "plugins.jamba:JambaForCausalLM", "hybrid-ssm", rules=JAMBA_RULES,
-                      validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))
+                      validate=validate, tensor_parallel=tensor_parallel))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loader.rules import Rename, Rules
+from loader.rules import Rename, Rules, Shard
+from plugins.llama import split_config
 from registry import ArchSpec, hookimpl
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import compute_dtype
@@ -31,7 +32,8 @@ def mamba2_mixer(config, *, prefix: str, heads="num_heads", head_dim="head_dim",
     return Mamba2Mixer(hidden_size=config.hidden_size, num_heads=get(heads), head_dim=get(head_dim),
                        state_size=get(state), n_groups=get(groups), conv_kernel=get(conv), chunk_size=get(chunk),
                        time_step_limit=getattr(config, "time_step_limit", None), norm_eps=get(eps),
-                       use_bias=get(bias), use_conv_bias=get(conv_bias), prefix=prefix)
+                       use_bias=get(bias), use_conv_bias=get(conv_bias),
+                       group_ranks=getattr(config, "ssm_group_ranks", 1), prefix=prefix)
 
 
 class Mamba2Block(nn.Module):
@@ -96,13 +98,41 @@ def validate(config) -> None:
     validate_ssd(config, heads="num_heads", head_dim="head_dim", groups="n_groups", expand="expand")
 
 
-# tensor parallelism: not yet (issue 36, part 2), said when asked for
-NO_TENSOR_PARALLEL = ("the Mamba2 mixers (in_proj's gate / x / B / C / dt groups, conv1d channels, A / D / dt_bias "
-                      "per head, the gated norm per group) and the recurrent state pool are not split per rank yet: "
-                      "issue 36, part 2")
+def ssd_tensor_parallel(config, local, size: int, *, heads: str, groups: str, module: str) -> tuple[Shard, ...]:
+    """The SSD mixers (`...{module}.*`) split by heads over `size` ranks, as vLLM splits them: sets the rank-local
+    config's `heads` and `groups` fields and returns the Shards. in_proj's gate / x / dt rows, conv1d's x channels,
+    dt_bias / A_log / D and the gated norm's weight go with the heads; B and C (in in_proj and conv1d) with the
+    groups, each rank holding its heads' groups, or, when ranks outnumber the groups, the one group its heads read
+    (copied on the size / groups ranks that share it: `ssm_group_ranks` in the rank-local config, whose gated norm
+    then sums their squares); out_proj row-parallel (the mixer's output summed once). Each rank's state slots
+    hold its heads' conv channels and SSM states (the StateSpec comes from the rank-local model). ValueError naming
+    the field that does not split."""
+    h, g = getattr(config, heads), getattr(config, groups)
+    if h % size:
+        raise ValueError(f"config.{heads}={h} does not split over tensor parallel size {size}")
+    if g % size and size % g:
+        raise ValueError(f"config.{groups}={g} and tensor parallel size {size}: neither divides the other (the B / C "
+                         f"groups split over the ranks, or ranks share one)")
+    setattr(local, heads, h // size)
+    setattr(local, groups, max(g // size, 1))
+    local.ssm_group_ranks = max(size // g, 1)  # ranks sharing one group (its B / C copied, its norm summed)
+    at = rf"\.{module}\."
+    return (Shard(rf"{at}in_proj\.(weight|bias)$", "fused", parts=("column", "column", "kv", "kv", "column"), heads=g),
+            Shard(rf"{at}conv1d\.(weight|bias)$", "fused", parts=("column", "kv", "kv"), heads=g),
+            Shard(rf"{at}(dt_bias|A_log|D|norm\.weight)$", "column"),
+            Shard(rf"{at}out_proj\.weight$", "row"))
+
+
+def tensor_parallel(config, size: int):
+    """(rank-local config, Shard rules): the mixers split by heads (ssd_tensor_parallel), the embedding and head by
+    vocab rows, the norms replicated."""
+    local = split_config(config, size, ())
+    shards = ssd_tensor_parallel(config, local, size, heads="num_heads", groups="n_groups", module="mixer")
+    return local, Rules(shards=shards + (Shard(r"^(backbone\.embeddings?|lm_head)\.weight$", "vocab",
+                                               size=config.vocab_size),))
 
 
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Mamba2ForCausalLM",), "plugins.mamba2:Mamba2ForCausalLM", "hybrid-ssm", rules=MAMBA2_RULES,
-                      validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))
+                      validate=validate, tensor_parallel=tensor_parallel))

@@ -1,7 +1,9 @@
 """Tensor parallelism for every registered architecture: each one either has a layout whose dry run proves that 2
-ranks (and 4: KV heads then replicated, 2 KV heads for 4 ranks) cover every element of its tiny checkpoint
-(tests/tiny_configs.py) exactly once, or is listed in NO_LAYOUT with the reason it has none yet, which the refusal
-(`zoo inspect --tensor-parallel-size 2`, exit 2) says. An architecture registered without either fails here.
+ranks (and 4: KV heads then replicated, 2 KV heads for 4 ranks; Mamba2's and Bamba's 2 B / C groups each shared by
+2 ranks) cover every element of its tiny checkpoint (tests/tiny_configs.py) exactly once, or is listed in NO_LAYOUT
+with the reason it has none yet, which the refusal (`zoo inspect --tensor-parallel-size 2`, exit 2) says. An
+architecture registered without either fails here. Since issue 36's part 2 every registered architecture has one
+(the hybrids' mixers and state pools, the multimodal models' vision towers); NO_LAYOUT is empty.
 """
 from __future__ import annotations
 
@@ -17,9 +19,6 @@ from zoo.runtime.model_files import read_config
 
 # architectures without a layout yet, each with (a words of) the reason its refusal gives: issue 36's part 2
 NO_LAYOUT = {
-    "Mamba2ForCausalLM": "the Mamba2 mixers",
-    "BambaForCausalLM": "the Mamba2 mixers",
-    "JambaForCausalLM": "the Mamba1 mixers",
     "LlavaForConditionalGeneration": "the vision tower and the projector",
     "Qwen2VLForConditionalGeneration": "the vision tower and the projector",
 }
@@ -79,3 +78,13 @@ def test_the_refusal_names_the_architecture_and_the_reason(arch, tiny, capsys):
     text = out.out + out.err
     assert f"architecture {arch}" in text and NO_LAYOUT[arch] in text and "issue 36, part 2" in text, text
     assert "Traceback" not in text
+
+
+def test_an_architecture_without_a_layout_is_refused_with_its_reason(tiny):
+    """The refusal itself, on a spec that gives a reason instead of a layout."""
+    spec = ArchSpec(("NewForCausalLM",), "plugins.llama:LlamaForCausalLM", "dense", rules=LLAMA_RULES,
+                    no_tensor_parallel="its widgets are not split yet")
+    path = tiny("LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"architecture NewForCausalLM \(plugin \) has no tensor-parallel layout "
+                                         r"yet \(its widgets are not split yet\)"):
+        tensor_parallel_model(spec, read_config(str(path), str(path)), 2)

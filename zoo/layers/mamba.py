@@ -29,6 +29,12 @@ Fast path (float32, CPU, no autograd, no hook on the norm): Mamba2's conv, scan,
 native call between the two projections (`zoo.kernels.mamba2_mix`: the recurrence token by token, which a split
 prefill computes exactly as a one-shot one); Mamba1's conv and its scan with the D skip and gate run natively
 (`kernels.causal_conv`, `kernels.selective_scan`), x_proj / dt_proj between them. The torch code is the reference.
+
+Tensor parallelism (N ranks; the Shard rules are the plugins', the collectives zoo/layers/parallel.py's): a rank
+builds h / N heads of a Mamba2 mixer with its g / N groups of B / C, or, when ranks outnumber the groups, the one
+group its heads read (`group_ranks` ranks share it; the gated norm then sums their squares, so the torch path runs),
+or I / N channels of a Mamba1 mixer (x_proj's dt / B / C summed over the ranks); out_proj is row-parallel, so the
+mixer's output is whole. Each rank's state slots hold its own heads' or channels' conv and SSM states.
 """
 from __future__ import annotations
 
@@ -129,7 +135,9 @@ class RecurrentMixer(nn.Module):
 class Mamba2Mixer(RecurrentMixer):
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, chunk_size: int, time_step_limit=(0.0, float("inf")), norm_eps: float,
-                 use_bias: bool = False, use_conv_bias: bool = True, prefix: str = ""):
+                 use_bias: bool = False, use_conv_bias: bool = True, group_ranks: int = 1, prefix: str = ""):
+        """`group_ranks` (tensor parallelism with more ranks than groups): the ranks sharing this rank's one group of
+        B / C and of the gated norm (each holding the group's B / C and its part of the heads)."""
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"{prefix}: {num_heads} heads are not a multiple of n_groups={n_groups}")
@@ -141,10 +149,18 @@ class Mamba2Mixer(RecurrentMixer):
         self.conv_dim = inter + 2 * n_groups * state_size
         self.in_proj = Linear(hidden_size, inter + self.conv_dim + num_heads, bias=use_bias)  # gate | xBC | dt
         self.conv1d = CausalConv1d(self.conv_dim, conv_kernel, bias=use_conv_bias)
+        # the column groups (a tensor-parallel rank reads its part of each: loader "fused" Shards)
+        gn = n_groups * state_size
+        for p in (self.in_proj.weight, self.in_proj.bias):
+            if p is not None:
+                p.shard_sizes = (inter, inter, gn, gn, num_heads)  # gate | x | B | C | dt
+        for p in (self.conv1d.weight, self.conv1d.bias):
+            if p is not None:
+                p.shard_sizes = (inter, gn, gn)  # x | B | C
         self.dt_bias = nn.Parameter(torch.empty(num_heads))  # [h]
         self.A_log = nn.Parameter(torch.empty(num_heads))  # [h]
         self.D = nn.Parameter(torch.empty(num_heads))  # [h]
-        self.norm = GatedRMSNorm(inter, group_size=inter // n_groups, eps=norm_eps)
+        self.norm = GatedRMSNorm(inter, group_size=inter // n_groups, eps=norm_eps, group_ranks=group_ranks)
         self.out_proj = Linear(inter, hidden_size, bias=use_bias)
 
     def cache_spec(self) -> StateSpec:
@@ -196,16 +212,19 @@ class Mamba2Mixer(RecurrentMixer):
         return self.out_proj(y.to(hidden_states.dtype))  # [T, H]
 
     def native(self, zx: torch.Tensor, states) -> bool:
-        """Whether this step takes kernels.mamba2_mix: float32 on the CPU, kernels on, no hook on the norm (a
-        parity tap reads it, so the torch path runs)."""
+        """Whether this step takes kernels.mamba2_mix: float32 on the CPU, kernels on, the norm's groups within this
+        process (not shared with other tensor-parallel ranks), no hook on the norm (a parity tap reads it, so the
+        torch path runs)."""
         norm = self.norm
         return kernels.fast(zx, self.conv1d.weight, norm.weight, *(states or ())) and self.conv1d.kernel_size <= 17 \
+            and norm.group_ranks == 1 \
             and not (norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks
                      or nn.modules.module._global_forward_pre_hooks)
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, head_dim={self.head_dim}, state={self.state_size}, groups={self.n_groups}, "
-                f"chunk_size={self.chunk_size}, time_step_limit={self.time_step_limit}")
+        ranks = f", group_ranks={self.norm.group_ranks}" if self.norm.group_ranks > 1 else ""
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, state={self.state_size}, groups={self.n_groups}"
+                f"{ranks}, chunk_size={self.chunk_size}, time_step_limit={self.time_step_limit}")
 
 
 class MambaMixer(RecurrentMixer):

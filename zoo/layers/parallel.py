@@ -18,6 +18,9 @@ parallel q/k/v and gate/up and the attention need nothing more. What needs the o
                            q/k norms over the whole projection width): each rank's sum of squares, summed over the
                            ranks (an all-reduce of [T, 1], not the all-gather of q and k vLLM does), normalises its
                            own part of the width
+    GroupRMSOverRanks      Mamba2's gated norm when ranks outnumber its groups (each group's channels split over
+                           `group_ranks` consecutive ranks): the squares of the ranks that share a group summed (an
+                           all-gather of [T, 1]); with groups split whole over the ranks the norm needs nothing
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from torch import nn
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.layers.linear import Linear, linear
 from zoo.layers.norm import LayerNorm, RMSNorm
+from zoo.layers.ssm import GatedRMSNorm
 
 
 def _adopt(cls, module: nn.Module, **attrs) -> nn.Module:
@@ -98,13 +102,32 @@ class WholeWidthRMS:
         return self.weighted(xf * torch.rsqrt(mean + self.eps), x.dtype)  # [T, W_r]
 
 
+class GroupRMSOverRanks:
+    """Mixed into Mamba2's gated norm (zoo/layers/ssm.py) when `group_ranks` consecutive ranks share each of its
+    groups, each holding D_r channels of it: every rank's sum of squares [T, 1] is gathered, and those of the ranks
+    holding this rank's group are added in rank order (the same sum on each of them), over the group's D_r x
+    group_ranks channels. vLLM all-gathers the gated activations instead."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        g = self.gated(y, gate)  # [T, D_r], float32
+        squares = g.pow(2).sum(-1, keepdim=True)  # [T, 1], this rank's part of the group
+        parts = [torch.empty_like(squares) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, squares)
+        first = dist.get_rank() // self.group_ranks * self.group_ranks  # the group's first rank
+        total = parts[first]
+        for part in parts[first + 1:first + self.group_ranks]:
+            total = total + part  # [T, 1]
+        mean = total / (g.shape[-1] * self.group_ranks)
+        return self.weight * (g * torch.rsqrt(mean + self.eps)).to(y.dtype)  # [T, D_r]
+
+
 _MIXED: dict[tuple[type, type], type] = {}
 
 
 def _mixed(mixin: type, cls: type) -> type:
     """`cls` with `mixin` in front (SummedOverRanks, WholeWidthRMS), one class per pair."""
     if (mixin, cls) not in _MIXED:
-        prefix = {SummedOverRanks: "Summed", WholeWidthRMS: "WholeWidth"}[mixin]
+        prefix = {SummedOverRanks: "Summed", WholeWidthRMS: "WholeWidth", GroupRMSOverRanks: "OverRanks"}[mixin]
         _MIXED[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__doc__": cls.__doc__})
     return _MIXED[mixin, cls]
 
@@ -115,7 +138,8 @@ def _summed(cls: type) -> type:
 
 def parallelize(model: nn.Module, rules, rank: int, vocab_size: int) -> nn.Module:
     """Swap in the layers that talk to the other ranks, by the rules' Shard kinds: "row" weights' Linear,
-    "vocab" weights' embedding and head, "column" / "kv" weights' RMS norms (over the whole width), and the blocks
+    "vocab" weights' embedding and head, "column" / "kv" weights' RMS norms (over the whole width), a "column" gated
+    norm whose groups span ranks (`group_ranks`), and the blocks
     that declare `tensor_parallel_sum` (summed once; the row-parallel weights inside them stay partial). Returns
     `model`; ValueError when a sharded weight's module is of another kind (its forward would silently compute on a
     slice)."""
@@ -142,6 +166,8 @@ def parallelize(model: nn.Module, rules, rank: int, vocab_size: int) -> nn.Modul
             new = _adopt(ParallelLMHead, module, full_vocab=vocab_size)
         elif kind in ("column", "kv") and isinstance(module, RMSNorm):
             new = _adopt(_mixed(WholeWidthRMS, type(module)), module)
+        elif kind == "column" and isinstance(module, GatedRMSNorm) and module.group_ranks > 1:
+            new = _adopt(_mixed(GroupRMSOverRanks, type(module)), module)
         elif kind in ("column", "kv", "fused") and isinstance(module, LayerNorm) and w.dim() == 1:
             raise ValueError(f"{name}: a LayerNorm whose weight is {kind}-parallel normalises a split width; it has "
                              f"no tensor-parallel form (an RMS norm over a split width does: WholeWidthRMS)")

@@ -134,20 +134,32 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
 
 class GatedRMSNorm(nn.Module):
     """Mamba2's output norm: y * silu(gate) first, then RMS over each group of `group_size` channels, then
-    the weight (float32 inside, cast back to y's dtype before the weight)."""
+    the weight (float32 inside, cast back to y's dtype before the weight).
 
-    def __init__(self, dim: int, *, group_size: int, eps: float):
+    `group_ranks` > 1 only in a tensor-parallel rank's model whose ranks outnumber the groups: these `dim` channels
+    are this rank's part of one group that `group_ranks` ranks share (each its own consecutive part), so the mean
+    square is over all of their parts (zoo/layers/parallel.py's GroupRMSOverRanks, swapped in by `parallelize`;
+    this module alone would normalise its part only)."""
+
+    def __init__(self, dim: int, *, group_size: int, eps: float, group_ranks: int = 1):
         super().__init__()
         if dim % group_size:
             raise ValueError(f"gated norm: {dim} channels are not a whole number of groups of {group_size}")
-        self.group_size, self.eps = group_size, eps
+        if group_ranks > 1 and group_size != dim:
+            raise ValueError(f"gated norm: a group shared by {group_ranks} ranks leaves each rank one group's part "
+                             f"({dim} channels), not groups of {group_size}")
+        self.group_size, self.eps, self.group_ranks = group_size, eps, group_ranks
         self.weight = nn.Parameter(torch.empty(dim))  # [D]
 
+    def gated(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return y.float() * F.silu(gate.float())  # [T, D]
+
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        g = y.float() * F.silu(gate.float())  # [T, D]
+        g = self.gated(y, gate)  # [T, D]
         groups = g.view(*g.shape[:-1], -1, self.group_size)  # [T, D / group, group]
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * groups.view(g.shape).to(y.dtype)  # [T, D]
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}"
+        ranks = f", group_ranks={self.group_ranks}" if self.group_ranks > 1 else ""
+        return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}{ranks}"
