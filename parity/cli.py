@@ -12,6 +12,7 @@ Exit status: 0 every scenario passes, 1 a divergence (or the zoo's strict loader
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -97,6 +98,28 @@ def image_prompt_arg(text: str | None) -> str | list[int] | None:
     return ids
 
 
+def _images(args, model, image_prompt, overrides, dtype, say, result):
+    """Image parity (--image) beside the text scenarios' `result`: an ImageParity, or the exit status 1 when it
+    crashed outside its scenarios (said in one line after the text summary)."""
+    from parity.harness import ParityUsageError
+    from parity.multimodal import ImageUsageError, image_parity
+    from parity.report import format_summary
+
+    say(f"image parity: {len(args.image)} image(s)")
+    try:
+        return image_parity(model, image_prompt, args.image, tol_overrides=overrides, block_size=args.block_size,
+                            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, dtype=dtype,
+                            tensor_parallel_size=args.tensor_parallel_size)
+    except ImageUsageError as e:  # the prompt and images, found before anything is compared
+        raise ParityUsageError(str(e)) from None
+    except Exception as e:  # a crash of either side outside the scenarios: a finding, in one line
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(format_summary(result))
+        print(f"image parity crashed: {type(e).__name__}: {e} (at {where.filename}:{where.lineno} in "
+              f"{where.name})\n\nDIVERGES: image parity")
+        return 1
+
+
 def run(args) -> int:
     from parity.harness import ParityUsageError, ZooLoadFailure, run_parity
     from parity.html import write_html
@@ -151,29 +174,21 @@ def run(args) -> int:
                 check_image_args(model, args.image or [], image_prompt)
             except ImageUsageError as e:
                 raise ParityUsageError(str(e)) from None
-        result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
-                            tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                            block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
-                            replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
-                            quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say)
-        result.inputs["notes"] = notes + result.inputs.get("notes", [])  # (--tiny's: what it inferred)
-        images = None
-        if args.image:
-            from parity.multimodal import ImageUsageError, image_parity
+        from zoo.runtime.distributed import shared_workers
 
-            say(f"image parity: {len(args.image)} image(s)")
-            try:
-                images = image_parity(model, image_prompt, args.image, tol_overrides=overrides,
-                                      block_size=args.block_size, chunk_tokens=args.chunk_tokens,
-                                      max_new_tokens=args.max_new_tokens, dtype=dtype)
-            except ImageUsageError as e:  # the prompt and images, found before anything is compared
-                raise ParityUsageError(str(e)) from None
-            except Exception as e:  # a crash of either side outside the scenarios: a finding, in one line
-                where = traceback.extract_tb(e.__traceback__)[-1]
-                print(format_summary(result))
-                print(f"image parity crashed: {type(e).__name__}: {e} (at {where.filename}:{where.lineno} in "
-                      f"{where.name})\n\nDIVERGES: image parity")
-                return 1
+        workers = shared_workers() if args.tensor_parallel_size > 1 else contextlib.nullcontext()
+        with workers:  # (tensor parallel: the text and image parity share one spawn of the workers)
+            result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
+                                tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
+                                replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
+                                quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say)
+            result.inputs["notes"] = notes + result.inputs.get("notes", [])  # (--tiny's: what it inferred)
+            images = None
+            if args.image:
+                images = _images(args, model, image_prompt, overrides, dtype, say, result)
+                if isinstance(images, int):
+                    return images
     except ParityUsageError as e:
         print(f"zoo parity: {e}", file=sys.stderr)
         return 2

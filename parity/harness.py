@@ -71,9 +71,9 @@ SCENARIO_HINTS = {
 
 
 TP_TAPS = ("the points every rank holds whole: embeddings (after the vocab-parallel sum), norms, attention, SSM "
-           "mixer and MLP / MoE outputs (after their all-reduce), Jamba's x_proj (all-reduced), routers, layer outputs, "
-           "final norm, logits (gathered over the vocab); not compared: column-split activations inside a block (an "
-           "SSM mixer's in_proj and gated norm) and a shared expert's partial sum")
+           "mixer and MLP / MoE outputs (after their all-reduce), Jamba's x_proj (all-reduced), routers, layer "
+           "outputs, final norm, logits (gathered over the vocab); not compared: column-split activations inside a "
+           "block (an SSM mixer's in_proj and gated norm) and a shared expert's partial sum")
 
 
 class ParityUsageError(Exception):

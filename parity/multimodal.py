@@ -58,7 +58,7 @@ from parity.harness import ScenarioResult, check_bfloat16
 from parity.inputs import special_ids
 from parity.metrics import compare_logits, compare_rows
 from parity.reference import load_reference
-from parity.taps import LOGITS, Capture, reference_taps, short
+from parity.taps import LOGITS, TP_REPLICATED_ROLES, Capture, reference_taps, short
 from parity.tolerances import tolerances
 from parity.zoo_side import ZooSide
 from zoo.runtime.batch import ForwardBatch
@@ -92,6 +92,7 @@ class ImageParity:
     architecture: str
     taps: list[ImageTap] = field(default_factory=list)
     scenarios: dict[str, ScenarioResult] = field(default_factory=dict)  # chunked, prefix (through the runtime)
+    tensor_parallel_size: int = 1  # the zoo side's ranks
 
     @property
     def passed(self) -> bool:
@@ -245,27 +246,38 @@ def _reference_inputs(zoo_model, ids: list[int], items) -> tuple[torch.Tensor, d
 @torch.no_grad()
 def image_parity(model: str, prompt: str | list[int] | None, images: list, *, tol_overrides: dict | None = None,
                  scenarios=IMAGE_SCENARIOS, block_size: int = 4, chunk_tokens: int = 7, max_new_tokens: int = 4,
-                 dtype: torch.dtype = torch.float32) -> ImageParity:
+                 dtype: torch.dtype = torch.float32, tensor_parallel_size: int = 1) -> ImageParity:
     """`prompt` None: `default_prompt`. `scenarios`: which of IMAGE_SCENARIOS run through the runtime.
     `max_new_tokens`: the decode scenario's generated tokens (the first from the prompt, the rest decode steps).
     `dtype=torch.bfloat16`: the zoo side built in bfloat16 (CPU storage, float32 math), the reference on the same
     weights (parity/bfloat16.py), its language model's cache reads rounded in the runtime scenarios (the one-shot
-    forward keeps no cache on either side). Problems with the images or prompt raise ImageUsageError."""
+    forward keeps no cache on either side). `tensor_parallel_size=N`: the zoo side over N ranks (its vision tower
+    split by heads, every vision layer's and the projector's output whole after their all-reduces; the scenarios'
+    language-model taps those every rank holds whole). Problems with the images or prompt raise ImageUsageError."""
     files = resolve_model(model)
     knobs = dict(block_size=block_size, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
     if dtype is not torch.bfloat16:
-        return _image_parity(files, prompt, images, tol_overrides, scenarios, knobs, dtype)
+        return _image_parity(files, prompt, images, tol_overrides, scenarios, knobs, dtype, tensor_parallel_size)
     check_bfloat16(files, "cpu")
     with reference_checkpoint(files.path, load_config(files)) as (path, _):
-        return _image_parity(resolve_model(path), prompt, images, tol_overrides, scenarios, knobs, dtype)
+        return _image_parity(resolve_model(path), prompt, images, tol_overrides, scenarios, knobs, dtype,
+                             tensor_parallel_size)
 
 
-def _image_parity(files, prompt, images, tol_overrides, scenarios, knobs, dtype) -> ImageParity:
-    bfloat16 = dtype is torch.bfloat16
+def _image_parity(files, prompt, images, tol_overrides, scenarios, knobs, dtype, tensor_parallel_size) -> ImageParity:
     processor = load_processor(files)
     if processor is None:
         raise ImageUsageError(f"--image: {files.name} has no image processor (preprocessor_config.json)")
-    zoo = ZooSide(files.path, config=load_config(files), processor=processor, dtype=dtype)
+    zoo = ZooSide(files.path, config=load_config(files), processor=processor, dtype=dtype,
+                  tensor_parallel_size=tensor_parallel_size)
+    try:
+        return _compare_images(zoo, files, prompt, images, tol_overrides, scenarios, knobs, dtype)
+    finally:
+        zoo.close()  # a tensor-parallel group's workers stop
+
+
+def _compare_images(zoo, files, prompt, images, tol_overrides, scenarios, knobs, dtype) -> ImageParity:
+    bfloat16, processor = dtype is torch.bfloat16, zoo.processor
     zoo_model, config, spec = zoo.model, zoo.config, zoo.spec
     if not MultiModal.supports(zoo_model):
         raise ImageUsageError(f"--image: {spec.architectures[0]} takes no images")
@@ -307,7 +319,7 @@ def _image_parity(files, prompt, images, tol_overrides, scenarios, knobs, dtype)
             h.remove()
         mm.release("parity")
 
-    result = ImageParity(spec.architectures[0])
+    result = ImageParity(spec.architectures[0], tensor_parallel_size=zoo.tp.size if zoo.tp is not None else 1)
     width = {}
     for name in taps:
         ref_rows, zoo_rows = ref_out.get(name), zoo_out.get(name)
@@ -354,7 +366,7 @@ class _Scenarios:
         self.max_new_tokens = knobs["max_new_tokens"]
         self.ordinary, self.words = ordinary, ordinary[:8]  # ordinary token ids: what decode may generate
         self.taps = {n for n, role in reference_taps(ref).items() if not n.startswith(VISION_MODULES)
-                     and role != "embed"}
+                     and role != "embed" and (zoo.tp is None or role in TP_REPLICATED_ROLES)}
 
     def reference(self, prompts: list[list[int]], items=None):
         """transformers' one-shot forward of each prompt with the images (all of them: every prompt here holds
@@ -478,7 +490,8 @@ def _logits(name, ref, got, tol) -> ImageTap:
 
 
 def format_image_parity(result: ImageParity) -> str:
-    lines = [f"image parity ({result.architecture}): {'pass' if result.passed else 'DIVERGES'}"
+    tp = f", tensor parallel size {result.tensor_parallel_size}" if result.tensor_parallel_size > 1 else ""
+    lines = [f"image parity ({result.architecture}{tp}): {'pass' if result.passed else 'DIVERGES'}"
              + (f", first at {result.first_divergence}" if result.first_divergence else ""),
              f"  {'tap':<44} {'role':<9} {'rows':>5} {'rel_l2':>10} {'cosine':>12} {'kl_max':>10}"]
     for t in result.taps:

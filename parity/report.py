@@ -93,6 +93,7 @@ def images_json(images) -> dict:
     from dataclasses import asdict
 
     return {"passed": images.passed, "first_divergence": images.first_divergence,
+            "tensor_parallel_size": images.tensor_parallel_size,
             "taps": [asdict(t) for t in images.taps],
             "scenarios": {name: scenario_dict(s) for name, s in images.scenarios.items()}}
 

@@ -16,10 +16,12 @@ CLIP tower sits under vision_tower.vision_model.*.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from loader.rules import Fuse, Ignore, Rename, Rules
+from loader.rules import Fuse, Ignore, Rename, Rules, Shard
 from registry import ArchSpec, get_registry, hookimpl
 from zoo.layers.embedding import LMHead
 from zoo.layers.vision import (CLIPVisionTower, MultiModalProjector, feature_layers, select_features,
@@ -73,10 +75,11 @@ class LlavaModel(nn.Module):
         vc = config.vision_config
         self.feature_layers = feature_layers(config.vision_feature_layer, vc.num_hidden_layers)
         self.strategy = config.vision_feature_select_strategy
-        self.vision_tower = CLIPVisionTower(vc, num_layers=max(self.feature_layers))
+        parallel = getattr(config, "vision_parallel", 1)  # a rank-local config's (tensor_parallel below)
+        self.vision_tower = CLIPVisionTower(vc, num_layers=max(self.feature_layers), parallel=parallel)
         self.multi_modal_projector = MultiModalProjector(
             in_features=vc.hidden_size * len(self.feature_layers), hidden_size=config.text_config.hidden_size,
-            hidden_act=config.projector_hidden_act, bias=config.multimodal_projector_bias)
+            hidden_act=config.projector_hidden_act, bias=config.multimodal_projector_bias, parallel=parallel)
         base = text_spec(config).model_class().model_class  # e.g. plugins.llama.LlamaModel
         merged = type(f"Multimodal{base.__name__}", (MultimodalEmbedding, base), {})
         self.language_model = merged(config.text_config, prefix=f"{prefix}.language_model")
@@ -148,11 +151,45 @@ def validate(config) -> None:
     vision_activation(config.projector_hidden_act, field="config.projector_hidden_act")
 
 
-NO_TENSOR_PARALLEL = ("the vision tower and the projector (replicated, or split by heads) and the encoder cache "
-                      "are not laid out per rank yet: issue 36, part 2")
+# tensor parallelism: the CLIP tower split by heads as vLLM splits it (q / k / v and fc1 column-parallel with their
+# biases, out_proj and fc2 row-parallel, the bias added once), the projector likewise (linear_1 column, linear_2
+# row); embeddings and LayerNorms replicated (whole hidden states between the all-reduces). First, so that the text
+# model's patterns (q_proj, k_proj...) never take a vision key.
+VISION_SHARDS = (Shard(_TOWER + r".*\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", "column"),
+                 Shard(_TOWER + r".*\.mlp\.fc1\.(weight|bias)$", "column"),
+                 Shard(_TOWER + r".*\.(self_attn\.out_proj|mlp\.fc2)\.weight$", "row"),
+                 Shard(_TOWER, "replicated"),
+                 Shard(r"(^|\.)multi_modal_projector\.linear_1\.(weight|bias)$", "column"),
+                 Shard(r"(^|\.)multi_modal_projector\.linear_2\.weight$", "row"))
+
+
+def multimodal_tensor_parallel(config, size: int, splits: dict[str, int], shards: tuple[Shard, ...], text=None):
+    """(rank-local config, Shard rules) of a multimodal model: the language model's own layout (its registered
+    architecture's `tensor_parallel` on text_config; `text` another one), the vision side by `shards`, built with
+    `vision_parallel` = size (each tower's layers build their share: zoo/layers/vision.py). `splits`: the fields
+    (as their names) the vision side splits, each checked to divide by `size` (a ValueError naming it)."""
+    for field, n in splits.items():
+        if n % size:
+            raise ValueError(f"config.{field}={n} does not split over tensor parallel size {size}")
+    spec = text or text_spec(config)
+    if spec.tensor_parallel is None:
+        raise ValueError(f"config.text_config: {spec.architectures[0]} has no tensor-parallel layout "
+                         f"({spec.no_tensor_parallel})")
+    local = copy.deepcopy(config)
+    local.text_config, text_rules = spec.tensor_parallel(config.text_config, size)
+    local.vision_parallel = size
+    return local, Rules(shards=shards) + text_rules
+
+
+def tensor_parallel(config, size: int):
+    vc = config.vision_config
+    return multimodal_tensor_parallel(config, size, {
+        "vision_config.num_attention_heads": vc.num_attention_heads,
+        "vision_config.intermediate_size": vc.intermediate_size,
+        "text_config.hidden_size (the projector's inner width)": config.text_config.hidden_size}, VISION_SHARDS)
 
 
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("LlavaForConditionalGeneration",), "plugins.llava:LlavaForConditionalGeneration",
-                      "multimodal", rules=LLAVA_RULES, validate=validate, no_tensor_parallel=NO_TENSOR_PARALLEL))
+                      "multimodal", rules=LLAVA_RULES, validate=validate, tensor_parallel=tensor_parallel))

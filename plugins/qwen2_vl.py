@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loader.rules import Rename, Rules
+from loader.rules import Rename, Rules, Shard
 from plugins.llama import LLAMA_RULES, head_dim_of, validate as validate_text
-from plugins.llava import NO_TENSOR_PARALLEL, MultimodalEmbedding
+from plugins.llava import MultimodalEmbedding, multimodal_tensor_parallel
 from plugins.qwen2 import Qwen2DecoderLayer, Qwen2Model
-from registry import ArchSpec, hookimpl
+from registry import ArchSpec, get_registry, hookimpl
 from zoo.layers.embedding import LMHead
 from zoo.layers.mrope import MRotaryEmbedding
 from zoo.layers.qwen2_vision import Qwen2VisionTransformer
@@ -68,7 +68,7 @@ class Qwen2VLTextModel(MultimodalEmbedding, Qwen2Model):
 class Qwen2VLModel(nn.Module):
     def __init__(self, config, *, prefix: str = "model"):
         super().__init__()
-        self.visual = Qwen2VisionTransformer(config.vision_config)
+        self.visual = Qwen2VisionTransformer(config.vision_config, parallel=getattr(config, "vision_parallel", 1))
         self.language_model = Qwen2VLTextModel(config.text_config, prefix=f"{prefix}.language_model")
 
 
@@ -140,8 +140,27 @@ def validate(config) -> None:
     vision_activation(config.vision_config.hidden_act, field="config.vision_config.hidden_act")
 
 
+# tensor parallelism: Qwen2's layout for the language model; the vision transformer split by heads as vLLM splits it:
+# qkv's q, k and v rows each column-parallel (read part by part), fc1 and the merger's first linear column-parallel
+# with their biases, proj, fc2 and the merger's second linear row-parallel (the bias added once); the patch
+# embedding and the LayerNorms replicated. First, so that the text model's patterns never take a vision key.
+VISION_SHARDS = (Shard(r"(^|\.)visual\.blocks\.\d+\.attn\.qkv\.(weight|bias)$", "fused",
+                       parts=("column", "column", "column")),
+                 Shard(r"(^|\.)visual\.(blocks\.\d+\.mlp\.fc1|merger\.mlp\.0)\.(weight|bias)$", "column"),
+                 Shard(r"(^|\.)visual\.(blocks\.\d+\.(attn\.proj|mlp\.fc2)|merger\.mlp\.2)\.weight$", "row"),
+                 Shard(r"(^|\.)visual\.", "replicated"))
+
+
+def tensor_parallel(config, size: int):
+    vc = config.vision_config
+    return multimodal_tensor_parallel(config, size, {
+        "vision_config.num_heads": vc.num_heads,
+        "vision_config.embed_dim x mlp_ratio": int(vc.embed_dim * vc.mlp_ratio),
+        "vision_config.embed_dim x spatial_merge_size^2": vc.embed_dim * vc.spatial_merge_size ** 2}, VISION_SHARDS,
+        text=get_registry().specs["Qwen2ForCausalLM"])
+
+
 @hookimpl
 def register_architectures(register):
     register(ArchSpec(("Qwen2VLForConditionalGeneration",), "plugins.qwen2_vl:Qwen2VLForConditionalGeneration",
-                      "multimodal", rules=QWEN2_VL_RULES, validate=validate,
-                      no_tensor_parallel=NO_TENSOR_PARALLEL))
+                      "multimodal", rules=QWEN2_VL_RULES, validate=validate, tensor_parallel=tensor_parallel))

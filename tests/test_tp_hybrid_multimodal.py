@@ -1,4 +1,4 @@
-"""Tensor parallelism for the hybrid SSM architectures (issue 36, part 2), over 2 gloo ranks.
+"""Tensor parallelism for the hybrid SSM and multimodal architectures (issue 36, part 2), over 2 gloo ranks.
 
 Hybrids: the Mamba2 / SSD mixers (Mamba2, Bamba) split by heads, B and C by groups (a group shared by the ranks
 when they outnumber the groups: its gated norm then sums their squares), Jamba's Mamba1 mixers by inner channels
@@ -6,13 +6,21 @@ when they outnumber the groups: its gated norm then sums their squares), Jamba's
 the snapshot saves / restores rank 0 schedules run on every rank (the prefix scenario restores one into a slot of
 another index).
 
+Multimodal (LLaVA, Qwen2-VL): the language model keeps its text architecture's layout; the vision tower is split by
+heads (q / k / v and fc1 column-parallel, the output projection and fc2 row-parallel) and so is the projector /
+patch merger, so every vision layer's output and the image features are whole on every rank. Every encoder run on
+rank 0 (its encoder cache missed) is one on rank 1, which keeps no encoder cache.
+
 One spawned rank 1 serves the whole module (shared_workers): the added time is the spawn and tiny models' steps.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import transformers
 
+from multimodal_tiny import drawn_image, random_image, save_tiny_llava, save_tiny_qwen2_vl
 from parity.taps import role_of
 from registry import get_registry
 from tiny import save_tiny
@@ -140,3 +148,76 @@ def test_tp2_greedy_tokens_equal_one_process_on_a_hybrid(tmp_path, shared):
     two, _, cached = _greedy(path, PROMPTS, twice=True, tensor_parallel_size=2)
     assert two == one and all(len(set(t)) > 1 for t in one[0]), (two, one)
     assert cached[0] > 0, cached
+
+
+QWEN_IMAGE = "<|vision_start|> <|image_pad|> <|vision_end|>"
+MULTIMODAL = {  # architecture -> (its tiny checkpoint, the placeholder one image takes in a prompt)
+    "LlavaForConditionalGeneration": (save_tiny_llava, "<image>"),
+    # wide vision weights (as parity --tiny's): with transformers' 0.02 the tower's attention barely moves the tokens
+    "Qwen2VLForConditionalGeneration": (partial(save_tiny_qwen2_vl, vision={"initializer_range": 0.2}), QWEN_IMAGE),
+}
+IMAGES = [random_image(0), drawn_image(1), drawn_image(2, (20, 60))]
+
+
+def _image_requests(placeholder: str) -> list:
+    return [{"prompt": f"user : {placeholder} w4 w5 {placeholder} w6 assistant :",
+             "multi_modal_data": {"image": IMAGES[:2]}},
+            {"prompt": f"user : w1 {placeholder} w2 w3 assistant :", "multi_modal_data": {"image": [IMAGES[2]]}},
+            "user : w7 w8 w9 w10 assistant :"]
+
+
+@pytest.mark.parametrize("arch", list(MULTIMODAL))
+def test_tp2_greedy_tokens_equal_one_process_on_a_multimodal_model(arch, tmp_path, shared):
+    """Issue 36's acceptance on a multimodal model: two image prompts and a text one generate over 2 ranks what one
+    process generates (the vision tower split by heads), with as many encoder runs, and again from the prefix
+    cache."""
+    save, placeholder = MULTIMODAL[arch]
+    path = save(tmp_path / arch)
+    requests = _image_requests(placeholder)
+    one, runs, _ = _greedy(path, requests, twice=True)
+    two, tp_runs, cached = _greedy(path, requests, twice=True, tensor_parallel_size=2)
+    assert two == one and all(len(set(t)) > 1 for t in one[0]), (two, one)
+    assert tp_runs == runs > 0 and cached[0] > 0, (tp_runs, runs, cached)
+
+
+@pytest.mark.parametrize("arch", list(MULTIMODAL))
+def test_tp2_image_parity(arch, tmp_path, shared, capsys):
+    """`zoo parity --tensor-parallel-size 2 --image`: every built vision layer, the projector (merger) and the merged
+    embeddings compared with transformers (whole after their all-reduces), and the image scenarios through the
+    runtime over 2 ranks."""
+    save, _ = MULTIMODAL[arch]
+    path = save(tmp_path / arch)
+    IMAGES[0].save(tmp_path / "a.png")
+    IMAGES[1].save(tmp_path / "b.png")
+    status = main(["parity", str(path), "--quiet", "--scenario", "prefill", "--tensor-parallel-size", "2",
+                   "--image", str(tmp_path / "a.png"), "--image", str(tmp_path / "b.png")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert f"image parity ({arch}, tensor parallel size 2): pass" in out, out
+    assert sum(" vision " in line for line in out.splitlines()) >= 2 and " projector " in out, out
+    assert all(f"image scenario {name:<10} pass" in out for name in ("chunked", "prefix", "decode", "processors"))
+
+
+@pytest.mark.parametrize("arch", list(MULTIMODAL))
+def test_the_vision_tower_is_split_by_heads(arch, tmp_path, capsys):
+    """Each rank builds half the vision heads, MLP width and projector width; `zoo inspect` proves 2 ranks cover every
+    element, and a size the vision heads do not split into is refused naming the field."""
+    save, _ = MULTIMODAL[arch]
+    path = save(tmp_path / arch, randomize=False)
+    config = transformers.AutoConfig.from_pretrained(path)
+    spec = get_registry().resolve(config)
+    whole, half = spec.build(config), tensor_parallel_model(spec, config, 2)[0]
+    attn = {"LlavaForConditionalGeneration": "self_attn", "Qwen2VLForConditionalGeneration": "attn"}[arch]
+    for (name, a), (_, b) in zip(whole.named_modules(), half.named_modules()):
+        if name.endswith(f".{attn}") and ("vision_tower" in name or "visual" in name):
+            assert b.num_heads * 2 == a.num_heads and b.head_dim == a.head_dim, name
+    sizes = {n: p.numel() for n, p in whole.named_parameters()}
+    split = {n: sizes[n] / p.numel() for n, p in half.named_parameters() if "vision_tower" in n or "visual" in n
+             or "multi_modal_projector" in n}
+    assert {round(r) for r in split.values()} == {1, 2}, split  # halves (heads, MLP widths) and whole (norms)
+    assert main(["inspect", str(path), "--tensor-parallel-size", "2"]) == 0
+    capsys.readouterr()
+    field = "num_attention_heads" if arch.startswith("Llava") else "num_heads"
+    with pytest.raises(ValueError, match=rf"config\.vision_config\.{field}=4 does not split over tensor parallel "
+                                         rf"size 3"):
+        tensor_parallel_model(spec, config, 3)

@@ -15,6 +15,11 @@ those rows. Each block: x + attn(norm1(x)), x + mlp(norm2(x)) with LayerNorms (e
 next D/4 by column, rotate-half over the whole head), and full attention within each frame of each image
 (its own sequence boundaries). The merger LayerNorms each patch, concatenates the m^2 patches of a block
 and projects them with a GELU MLP into the language model's hidden size.
+
+Tensor parallelism (`parallel` ranks, zoo/layers/vision.py's split): Hd / parallel heads per rank (qkv's q, k and v
+rows column-parallel, proj row-parallel), I / parallel of each MLP and m^2 E / parallel of the merger's inner width
+(its first linear column-parallel, its second row-parallel); the patch embedding, the LayerNorms and the rotary
+tables are whole on every rank, and so are the merged features after the merger's all-reduce.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from torch import nn
 
 from zoo.layers.linear import Linear
 from zoo.layers.rotary import rotate
-from zoo.layers.vision import VisionMLP
+from zoo.layers.vision import VisionMLP, split
 
 
 class PatchLinear(nn.Module):
@@ -73,11 +78,13 @@ class VisionRotary:
 
 
 class Qwen2VisionAttention(nn.Module):
-    def __init__(self, *, hidden_size: int, num_heads: int):
+    def __init__(self, *, hidden_size: int, num_heads: int, parallel: int = 1):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
-        self.qkv = Linear(hidden_size, 3 * hidden_size, bias=True)
-        self.proj = Linear(hidden_size, hidden_size, bias=True)
+        self.head_dim = hidden_size // num_heads
+        self.num_heads = split(num_heads, parallel, "vision_config.num_heads")  # this rank's heads
+        width = self.num_heads * self.head_dim
+        self.qkv = Linear(hidden_size, 3 * width, bias=True)  # q | k | v, this rank's heads of each
+        self.proj = Linear(width, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         p = x.shape[0]
@@ -95,13 +102,14 @@ class Qwen2VisionAttention(nn.Module):
 
 
 class Qwen2VisionBlock(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, parallel: int = 1):
         super().__init__()
         e = config.embed_dim
         self.norm1 = nn.LayerNorm(e, eps=1e-6)
         self.norm2 = nn.LayerNorm(e, eps=1e-6)
-        self.attn = Qwen2VisionAttention(hidden_size=e, num_heads=config.num_heads)
-        self.mlp = VisionMLP(hidden_size=e, intermediate_size=int(e * config.mlp_ratio), hidden_act=config.hidden_act)
+        self.attn = Qwen2VisionAttention(hidden_size=e, num_heads=config.num_heads, parallel=parallel)
+        self.mlp = VisionMLP(hidden_size=e, intermediate_size=int(e * config.mlp_ratio), hidden_act=config.hidden_act,
+                             parallel=parallel, field="vision_config.embed_dim x mlp_ratio")
 
     def forward(self, x, cos, sin, seq_lens):
         x = x + self.attn(self.norm1(x), cos, sin, seq_lens)  # [P, E]
@@ -109,27 +117,28 @@ class Qwen2VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, *, hidden_size: int, context_dim: int, merge: int):
+    def __init__(self, *, hidden_size: int, context_dim: int, merge: int, parallel: int = 1):
         super().__init__()
         self.width = context_dim * merge ** 2
+        inner = split(self.width, parallel, "vision_config.embed_dim x spatial_merge_size^2")
         self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
-        self.mlp = nn.Sequential(Linear(self.width, self.width, bias=True), nn.GELU(),
-                                 Linear(self.width, hidden_size, bias=True))
+        self.mlp = nn.Sequential(Linear(self.width, inner, bias=True), nn.GELU(), Linear(inner, hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.width))  # [P, E] -> [P / m^2, m^2 E] -> [P / m^2, H]
 
 
 class Qwen2VisionTransformer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, parallel: int = 1):
         super().__init__()
         self.merge = config.spatial_merge_size
         self.patch_embed = PatchEmbed(channels=config.in_channels, temporal_patch_size=config.temporal_patch_size,
                                       patch_size=config.patch_size, hidden_size=config.embed_dim)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.rotary = VisionRotary(head_dim=config.embed_dim // config.num_heads, theta=theta)
-        self.blocks = nn.ModuleList(Qwen2VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(hidden_size=config.hidden_size, context_dim=config.embed_dim, merge=self.merge)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(config, parallel) for _ in range(config.depth))
+        self.merger = PatchMerger(hidden_size=config.hidden_size, context_dim=config.embed_dim, merge=self.merge,
+                                  parallel=parallel)
 
     def forward(self, patches: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(patches)  # [P, K] -> [P, E]

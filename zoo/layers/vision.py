@@ -14,6 +14,12 @@ the pre-normed embedding, `hidden_states[k]` the output of layer k - 1; LLaVA ta
 `vision_feature_layer` (an index into those, or a list of them concatenated on channels) and never
 reads the last layers past it nor `post_layernorm` (which normalises only the pooled class token): the
 tower builds only `num_layers` layers, and the model names the rest as ignored checkpoint keys.
+
+Tensor parallelism (`parallel` = the ranks of the group, 1 without): each rank builds Hd / parallel heads of every
+attention (q / k / v column-parallel, out_proj row-parallel), I / parallel of every MLP (fc1 column, fc2 row) and
+H / parallel of the projector's inner width (linear_1 column, linear_2 row); the row-parallel outputs are summed
+over the ranks (zoo/layers/parallel.py), so the residual stream, the LayerNorms, the embeddings and every
+hidden state are whole on every rank, and so are the image features.
 """
 from __future__ import annotations
 
@@ -65,47 +71,58 @@ class CLIPVisionEmbeddings(nn.Module):
         return torch.cat((cls, patches), dim=1) + self.position_embedding.weight  # [N, S, E]
 
 
-class VisionAttention(nn.Module):
-    """Full attention within each image: q, k, v fused (each biased), an output projection."""
+def split(n: int, parallel: int, field: str) -> int:
+    """n / parallel: one rank's share of `field` (ValueError naming it when it does not split)."""
+    if n % parallel:
+        raise ValueError(f"{field}={n} does not split over tensor parallel size {parallel}")
+    return n // parallel
 
-    def __init__(self, *, hidden_size: int, num_heads: int, bias: bool = True):
+
+class VisionAttention(nn.Module):
+    """Full attention within each image: q, k, v fused (each biased), an output projection (this rank's
+    Hd / parallel heads)."""
+
+    def __init__(self, *, hidden_size: int, num_heads: int, bias: bool = True, parallel: int = 1):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
-        self.qkv_proj = QKVLinear(hidden_size, head_dim=self.head_dim, num_heads=num_heads, num_kv_heads=num_heads,
-                                  bias=bias)
-        self.out_proj = Linear(hidden_size, hidden_size, bias=bias)
+        self.head_dim = hidden_size // num_heads
+        self.num_heads = heads = split(num_heads, parallel, "vision_config.num_attention_heads")
+        self.qkv_proj = QKVLinear(hidden_size, head_dim=self.head_dim, num_heads=heads, num_kv_heads=heads, bias=bias)
+        self.out_proj = Linear(heads * self.head_dim, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, s, e = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x.reshape(n * s, e)))  # 3x [N*S, E]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x.reshape(n * s, e)))  # 3x [N*S, Hd*D]
         q, k, v = (t.view(n, s, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [N, Hd, S, D]
         o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)  # [N, Hd, S, D]
-        return self.out_proj(o.transpose(1, 2).reshape(n * s, e)).view(n, s, e)  # [N, S, E]
+        return self.out_proj(o.transpose(1, 2).reshape(n * s, -1)).view(n, s, e)  # [N, S, E]
 
 
 class VisionMLP(nn.Module):
-    """fc2(act(fc1(x))), both biased (CLIP: quick-GELU)."""
+    """fc2(act(fc1(x))), both biased (CLIP: quick-GELU), I / parallel of the width on this rank."""
 
-    def __init__(self, *, hidden_size: int, intermediate_size: int, hidden_act: str):
+    def __init__(self, *, hidden_size: int, intermediate_size: int, hidden_act: str, parallel: int = 1,
+                 field: str = "vision_config.intermediate_size"):
         super().__init__()
         self.act = vision_activation(hidden_act, field="vision_config.hidden_act")
-        self.fc1 = Linear(hidden_size, intermediate_size, bias=True)
-        self.fc2 = Linear(intermediate_size, hidden_size, bias=True)
+        inner = split(intermediate_size, parallel, field)
+        self.fc1 = Linear(hidden_size, inner, bias=True)
+        self.fc2 = Linear(inner, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = self.fc2(self.act(self.fc1(x.reshape(-1, shape[-1]))))  # [N*S, E] -> [N*S, I] -> [N*S, E]
+        x = self.fc2(self.act(self.fc1(x.reshape(-1, shape[-1]))))  # [N*S, E] -> [N*S, I / parallel] -> [N*S, E]
         return x.view(shape)
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, parallel: int = 1):
         super().__init__()
         e = config.hidden_size
         self.layer_norm1 = nn.LayerNorm(e, eps=config.layer_norm_eps)
-        self.self_attn = VisionAttention(hidden_size=e, num_heads=config.num_attention_heads)
+        self.self_attn = VisionAttention(hidden_size=e, num_heads=config.num_attention_heads, parallel=parallel)
         self.layer_norm2 = nn.LayerNorm(e, eps=config.layer_norm_eps)
-        self.mlp = VisionMLP(hidden_size=e, intermediate_size=config.intermediate_size, hidden_act=config.hidden_act)
+        self.mlp = VisionMLP(hidden_size=e, intermediate_size=config.intermediate_size, hidden_act=config.hidden_act,
+                             parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))  # [N, S, E]
@@ -113,15 +130,15 @@ class CLIPEncoderLayer(nn.Module):
 
 
 class CLIPEncoder(nn.Module):
-    def __init__(self, config, num_layers: int):
+    def __init__(self, config, num_layers: int, parallel: int = 1):
         super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config, parallel) for _ in range(num_layers))
 
 
 class CLIPVisionTower(nn.Module):
     """CLIPVisionModel up to its `num_layers`-th layer; `forward` returns hidden_states[0 .. num_layers]."""
 
-    def __init__(self, config, num_layers: int):
+    def __init__(self, config, num_layers: int, parallel: int = 1):
         super().__init__()
         if not 0 <= num_layers <= config.num_hidden_layers:
             raise ValueError(f"vision tower: {num_layers} layers asked of {config.num_hidden_layers}")
@@ -129,7 +146,7 @@ class CLIPVisionTower(nn.Module):
         self.embeddings = CLIPVisionEmbeddings(hidden_size=config.hidden_size, image_size=config.image_size,
                                                patch_size=config.patch_size, channels=config.num_channels)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.encoder = CLIPEncoder(config, num_layers)
+        self.encoder = CLIPEncoder(config, num_layers, parallel)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         x = self.pre_layrnorm(self.embeddings(pixel_values))  # [N, C, Hp, Wp] -> [N, S, E]
@@ -160,13 +177,15 @@ def select_features(hidden_states: list[torch.Tensor], layers: list[int], strate
 
 
 class MultiModalProjector(nn.Module):
-    """LLaVA's projector: linear_2(act(linear_1(features))), into the language model's hidden size."""
+    """LLaVA's projector: linear_2(act(linear_1(features))), into the language model's hidden size (H / parallel
+    of the inner width on this rank)."""
 
-    def __init__(self, *, in_features: int, hidden_size: int, hidden_act: str, bias: bool = True):
+    def __init__(self, *, in_features: int, hidden_size: int, hidden_act: str, bias: bool = True, parallel: int = 1):
         super().__init__()
         self.act = vision_activation(hidden_act, field="config.projector_hidden_act")
-        self.linear_1 = Linear(in_features, hidden_size, bias=bias)
-        self.linear_2 = Linear(hidden_size, hidden_size, bias=bias)
+        inner = split(hidden_size, parallel, "config.text_config.hidden_size")
+        self.linear_1 = Linear(in_features, inner, bias=bias)
+        self.linear_2 = Linear(inner, hidden_size, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(features)))  # [M, E'] -> [M, H]
+        return self.linear_2(self.act(self.linear_1(features)))  # [M, E'] -> [M, H / parallel] -> [M, H]
