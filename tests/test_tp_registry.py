@@ -76,3 +76,19 @@ def test_an_architecture_without_a_layout_is_refused_with_its_reason(tiny):
     with pytest.raises(ValueError, match=r"architecture NewForCausalLM \(plugin \) has no tensor-parallel layout "
                                          r"yet \(its widgets are not split yet\)"):
         tensor_parallel_model(spec, read_config(str(path), str(path)), 2)
+
+
+def test_a_config_the_plugin_refuses_is_refused_as_one_process_refuses_it(tiny, tmp_path):
+    """transformers' DeepseekV2Config() leaves num_experts_per_tok None: over 2 ranks the plugin's own refusal,
+    naming the field, comes before anything spawns (it was a TypeError from deep in the router's constructor)."""
+    import json
+    import shutil
+
+    from zoo.runtime.distributed import TensorParallelError, TensorParallelGroup
+
+    path = shutil.copytree(tiny("DeepseekV2ForCausalLM"), tmp_path / "v2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": None}))
+    with pytest.raises(TensorParallelError, match=r"DeepseekV2ForCausalLM \(plugin plugins.deepseek\) does not serve "
+                                                  r"this config: config.num_experts_per_tok=None must be an integer"):
+        TensorParallelGroup(path, 2)

@@ -226,12 +226,14 @@ def _set_timeout(seconds: float) -> None:
 
 def _check_layout(path, size: int) -> None:
     from registry import get_registry
-    from zoo.build import tensor_parallel_model
+    from zoo.build import tensor_parallel_model, validate_spec
     from zoo.runtime.model_files import read_config
 
     config = read_config(str(path), str(path))
+    spec = get_registry().resolve(config)
     try:
-        tensor_parallel_model(get_registry().resolve(config), config, size)  # on meta: shapes only
+        validate_spec(spec, config)  # the plugin's own refusal first, as one process gives it
+        tensor_parallel_model(spec, config, size)  # on meta: shapes only
     except ValueError as e:
         raise TensorParallelError(f"{path}: {e}") from None
 
