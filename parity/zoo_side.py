@@ -69,8 +69,8 @@ def _watch(engine, segments: list, sampled: list) -> dict:
     if runner.fused is not None:
         usable = runner.fused.usable
 
-        def observed_usable(*args):
-            ok = usable(*args)
+        def observed_usable(*args, **kwargs):
+            ok = usable(*args, **kwargs)
             state["fused"].append(bool(ok))
             return ok
 

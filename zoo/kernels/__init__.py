@@ -92,11 +92,12 @@ _SIGNATURES["zoo_moe_experts_bf16"] = _SIGNATURES["zoo_moe_experts"]
 _SIGNATURES["zoo_mla_decode_bf16"] = _SIGNATURES["zoo_mla_decode"]
 _SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
 _SIGNATURES["zoo_kernel_paths"] = []
+_SIGNATURES["zoo_llama_step"] = [_P]  # (a StepArgs, zoo/kernels/fused.py)
 _RESTYPES = {"zoo_kernel_paths": ctypes.c_char_p,
              "zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
              "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
              "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int,
-             "zoo_mla_decode_bf16": ctypes.c_int}
+             "zoo_mla_decode_bf16": ctypes.c_int, "zoo_llama_step": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 
 
@@ -669,6 +670,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.max(x, -1) for x [N, V]: (values [N], indices [N]) in one pass, the indices those of argmax."""
     return _argmax(x, values=True)
+
+
+def row_max_lists(x: torch.Tensor, indices, values) -> tuple[list[int], list[float]]:
+    """row_max for a contiguous float32 CPU x [N, V] into the caller's ctypes buffers (c_int64 and c_float arrays
+    of at least N), returned as lists: no tensor is made (the sampler's all-greedy step reuses its buffers)."""
+    n, v = x.shape
+    if not (x.dtype is _F32 and x.is_cpu and x.is_contiguous() and v >= 1 and len(indices) >= n and len(values) >= n):
+        raise _bad("row_max_lists", "x must be a contiguous float32 CPU [N, V], V >= 1, the buffers of N or more",
+                   x=x.shape)
+    _native().zoo_argmax(x.data_ptr(), n, v, v, indices, values, threads())
+    return indices[:n], values[:n]
 
 
 def _argmax(x: torch.Tensor, *, values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -30,9 +30,11 @@ Shape legend: T tokens, N sampled rows, V vocabulary, L layers.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 import torch.nn.modules.module as _module
+from torch.utils.hooks import RemovableHandle
 
 from zoo import kernels
 from zoo.layers.attention import Attention
@@ -68,6 +70,10 @@ _ERRORS = {1: "query_start_loc", 2: "seq_lens or positions", 3: "slot_mapping", 
            5: "input_ids (outside the vocabulary)", 6: "logits_indices (rows outside the step's tokens)"}
 
 
+_data_ptr = torch.Tensor.data_ptr
+_use_count = torch._C._storage_Use_Count  # (a storage's _cdata) -> how many tensors hold the storage
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down", "down_bias", "q_norm",
@@ -77,6 +83,104 @@ class _Layer(ctypes.Structure):
         (name, ctypes.c_long) for name in ("experts", "top_k", "renorm", "moe_inter")] + [
         (name, ctypes.c_void_p) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [
         ("shared_inter", ctypes.c_long)]
+
+
+def _fields(kind, names: str) -> list:
+    return [(n, kind) for n in names.split()]
+
+
+class _StepArgs(ctypes.Structure):
+    """cpu/fused.h's StepArgs: zoo_llama_step's one argument."""
+    _fields_ = (_fields(ctypes.c_void_p, "ids pos slots rows tables qsl seq_lens")
+                + _fields(ctypes.c_long, "T B N max_blocks") + _fields(ctypes.c_void_p, "cos sin")
+                + _fields(ctypes.c_long, "table_len F")
+                + _fields(ctypes.c_void_p, "embed head layers embed_q head_q final_norm")
+                + _fields(ctypes.c_long, "vocab Hd nl H KV D I nb bs")
+                + _fields(ctypes.c_float, "eps scale embed_scale") + _fields(ctypes.c_int, "gemma act nt bf16")
+                + _fields(ctypes.c_void_p, "logits argmax argmax_values"))
+
+
+class StepBuffers:
+    """The fused step's arguments kept from step to step (zoo_llama_step): the model's fields set once, the step's
+    metadata in ctypes arrays that `load` fills from a StepLists and the runner may update in place (ids, pos,
+    slots, seq_lens: a decode step whose requests and blocks did not change), the logits and each row's argmax
+    written into buffers reused while they are large enough. `__call__` returns the argmax tokens and values of the
+    N rows; the logits ([N, V], `logits`) are overwritten by the next step."""
+
+    def __init__(self, fused: "FusedDecoder"):
+        m, self.fused = fused.meta, fused
+        a = self.args = _StepArgs()
+        a.embed, a.head, a.final_norm = m["embed"].data_ptr(), m["head"].data_ptr(), m["final"].data_ptr()
+        a.layers, a.nl = ctypes.addressof(fused.layers), len(fused.layers)
+        a.embed_q, a.head_q = m["embed_q"], m["head_q"]
+        a.vocab, a.Hd, a.H, a.KV, a.D, a.I = m["vocab"], m["hidden"], m["heads"], m["kv_heads"], m["head_dim"], \
+            m["intermediate"]
+        a.nb, a.bs = next(iter(fused.kv_caches.values())).shape[:2]
+        a.eps, a.scale, a.embed_scale = m["eps"], m["scale"], m["embed_scale"]
+        a.gemma, a.act, a.bf16 = m["gemma"], m["act"], int(m["bf16"])
+        self.call, self.address = kernels._native().zoo_llama_step, ctypes.addressof(a)
+        self.native_s = 0.0  # seconds of the last call
+        self.table_len = 0  # positions the rope tables cover
+        self.tokens = self.requests = self.rows = self.blocks = 0  # the arrays' capacities (grown by load)
+
+    def load(self, step) -> None:
+        """Take the step's metadata (a zoo.runtime.batch.StepLists), growing the arrays when it does not fit."""
+        t, b, n, a = len(step.input_ids), len(step.seq_lens_cpu), len(step.logits_indices), self.args
+        if not (len(step.positions) == len(step.slot_mapping) == t and len(step.query_start_loc_cpu) == b + 1
+                and len(step.block_tables) == b * step.max_blocks):
+            raise ValueError("fused forward: the step's lists do not agree in length")
+        i64, i32 = ctypes.c_int64, ctypes.c_int32
+        if t > self.tokens:  # (each capacity at least doubles: few reallocations)
+            self.tokens = max(t, 2 * self.tokens)
+            self.ids, self.pos, self.slots = ((i64 * self.tokens)() for _ in range(3))
+            a.ids, a.pos, a.slots = (ctypes.addressof(x) for x in (self.ids, self.pos, self.slots))
+        if b * step.max_blocks > self.blocks:
+            self.blocks = max(b * step.max_blocks, 2 * self.blocks)
+            self.tables = (i32 * self.blocks)()
+            a.tables = ctypes.addressof(self.tables)
+        if b > self.requests:
+            self.requests = max(b, 2 * self.requests)
+            self.qsl, self.seq_lens = (i32 * (self.requests + 1))(), (i32 * self.requests)()
+            a.qsl, a.seq_lens = ctypes.addressof(self.qsl), ctypes.addressof(self.seq_lens)
+        if n > self.rows:
+            self.rows = max(n, 2 * self.rows)
+            self.row_ids, self.argmax, self.values = (i64 * self.rows)(), (i64 * self.rows)(), \
+                (ctypes.c_float * self.rows)()
+            self.logits = torch.empty(self.rows, a.vocab)  # [N, V]
+            a.rows, a.argmax, a.argmax_values = (ctypes.addressof(x) for x in (self.row_ids, self.argmax, self.values))
+            a.logits = self.logits.data_ptr()
+        self.ids[:t], self.pos[:t], self.slots[:t] = step.input_ids, step.positions, step.slot_mapping
+        self.tables[:b * step.max_blocks] = step.block_tables
+        self.qsl[:b + 1], self.seq_lens[:b] = step.query_start_loc_cpu, step.seq_lens_cpu
+        self.row_ids[:n] = step.logits_indices
+        a.T, a.B, a.N, a.max_blocks = t, b, n, step.max_blocks
+        self.cover(max(step.seq_lens_cpu, default=1))
+
+    def cover(self, length: int) -> None:
+        """The rope tables cover `length` positions (grown, and their pointers taken again, when they did not)."""
+        if length <= self.table_len:
+            return
+        rope_tables = self.fused._tables([length])
+        if len(rope_tables) > 1:  # each layer's own table (as FusedDecoder._forward)
+            for layer, i in zip(self.fused.layers, self.fused.meta["layer_rope"]):
+                layer.cos, layer.sin = rope_tables[i][0].data_ptr(), rope_tables[i][1].data_ptr()
+        a = self.args
+        a.cos, a.sin = rope_tables[0][0].data_ptr(), rope_tables[0][1].data_ptr()
+        a.F = rope_tables[0][0].shape[1]
+        a.table_len = self.table_len = min(c.shape[0] for c, _ in rope_tables)
+
+    def __call__(self) -> tuple[list[int], list[float]]:
+        """Run the step: the N rows' argmax tokens and their values (the logits in self.logits[:N]). native_s: the
+        seconds of the native call."""
+        a = self.args
+        a.nt = kernels.threads()
+        t = time.perf_counter()
+        bad = self.call(self.address)
+        self.native_s = time.perf_counter() - t
+        if bad:
+            raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {a.T} "
+                             f"tokens and the KV cache")
+        return self.argmax[:a.N], self.values[:a.N]
 
 
 def _own_forwards(obj, names, plugin: str = _PLUGIN) -> bool:
@@ -129,6 +233,13 @@ class FusedDecoder:
         self.long_rope = meta["ropes"][0] if meta["ropes"][0].long_past is not None else None  # (Phi-3)
         mods = list(model.modules())  # hook registries, checked every step (registering mutates them in place)
         self.hooks = [m._forward_hooks for m in mods] + [m._forward_pre_hooks for m in mods]
+        self.native_s = 0.0  # seconds of the last step's native call
+        self.clean_at = None  # (RemovableHandle.next_id, the weights' storage use counts) at the last check passed
+        self.hooks_clean_at = None  # RemovableHandle.next_id when self.hooks were last found empty
+        # the storages the weights are views of (one buffer once kernels.pack_weights packed them): a parameter
+        # whose .data is replaced drops its reference, and the count moves
+        self.storages = list({p.untyped_storage().data_ptr(): p.untyped_storage() for p in params}.values())
+        self.storage_ids = [st._cdata for st in self.storages]  # (kept alive by self.storages)
 
     @classmethod
     def build(cls, model, kv_caches: dict[str, torch.Tensor]) -> "FusedDecoder | None":
@@ -271,15 +382,32 @@ class FusedDecoder:
                     head_q=_float_or_blocks(head.weight, held)[1], held=held)
         return cls(model, kv_caches, matrices + params, (_Layer * len(layers))(*layers), meta)
 
-    def usable(self, batch=None) -> bool:
-        """Steps can take the driver: the same caches (batch's, when given) and weights, no hooks, kernels on."""
+    def usable(self, batch=None, *, quick: bool = False) -> bool:
+        """Steps can take the driver: the same caches (batch's, when given) and weights, no hooks, kernels on.
+
+        The modules' ~2 x modules hook registries are read only when torch's RemovableHandle.next_id moved since
+        they were last found empty (every hook registration takes the next id). The weights' pointers are read
+        every call (~0.15 ms of cache misses after a decode step has streamed the weights through the caches),
+        unless `quick` (the runner's steady decode steps) and the use counts of the storages the weights are
+        views of did not move since the last check passed: a parameter whose .data is replaced drops its
+        reference. Not seen by a quick check: a replacement while another reference to the old storage is taken
+        (the count moves back), or a hook put into a registry by hand."""
         if (batch is not None and batch.kv_caches is not self.kv_caches) or not kernels.enabled():
-            return False
-        if [p.data_ptr() for p in self.params] != self.ptrs:  # weights replaced since the build
             return False
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
             return False
-        return not any(self.hooks)
+        hook_id = RemovableHandle.next_id
+        key = (hook_id, *map(_use_count, self.storage_ids)) if len(self.storage_ids) <= 4 else None
+        if quick and key is not None and key == self.clean_at:
+            return True
+        if list(map(_data_ptr, self.params)) != self.ptrs:  # weights replaced since the build
+            return False
+        if hook_id != self.hooks_clean_at:
+            if any(self.hooks):
+                return False
+            self.hooks_clean_at = hook_id
+        self.clean_at = key
+        return True
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
@@ -338,12 +466,14 @@ class FusedDecoder:
         nb, bs = next(iter(self.kv_caches.values())).shape[:2]
         lib = kernels._native()
         forward = lib.zoo_llama_forward_bf16 if m["bf16"] else lib.zoo_llama_forward
+        start = time.perf_counter()
         bad = forward(
             ids, t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
             len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
             pos, cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs, slots, tables, max_blocks, qsl,
             seq_lens, b, m["final"].data_ptr(), rows, n, m["head"].data_ptr(), logits.data_ptr(), m["gemma"],
             m["embed_scale"], m["act"], kernels.threads(), *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
+        self.native_s = time.perf_counter() - start  # (bench/generate.py: the step's time outside it is Python)
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
                              f"tokens and the KV cache")

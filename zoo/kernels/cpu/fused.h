@@ -1,6 +1,6 @@
-// zoo/kernels/cpu/fused.h: zoo_llama_forward: a whole decoder step of a Llama-structured model, made of the kernels
-// above. Built as one unit by ../cpu.cpp, which includes every family in order; the includes below name what this one
-// reads.
+// zoo/kernels/cpu/fused.h: zoo_llama_forward (zoo_llama_step: its arguments in one struct): a whole decoder step of a
+// Llama-structured model, made of the kernels above. Built as one unit by ../cpu.cpp, which includes every family in
+// order; the includes below name what this one reads (zoo_argmax: sampling.h).
 #pragma once
 
 #include "linear.h"
@@ -8,6 +8,7 @@
 #include "rows.h"
 #include "moe.h"
 #include "attention.h"
+#include "sampling.h"
 
 // ---------------------------------------------------------------------------------------------------
 // A whole forward pass of a Llama-structured decoder (zoo/kernels/fused.py decides which models qualify and
@@ -218,4 +219,42 @@ extern "C" int zoo_llama_forward_bf16(const int64_t* ids, long T, const bf16* em
     return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
                          nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
                          embed_scale, act, nt, nullptr, nullptr);
+}
+
+// zoo_llama_step: zoo_llama_forward's arguments in one struct that the runner keeps across steps (its model fields
+// set once, the step's metadata arrays updated in place), plus each sampled row's argmax: one argument to convert
+// per step instead of 37 (after a decode step has streamed the weights through the caches, each converted
+// argument costs misses), and the greedy token read from the logits while the head's threads still hold them.
+struct StepArgs {
+    const int64_t *ids, *pos, *slots, *rows;
+    const int32_t *tables, *qsl, *seq_lens;
+    long T, B, N, max_blocks;
+    const float *cos, *sin;
+    long table_len, F;
+    const void *embed, *head;  // float or bf16 (bf16 != 0)
+    const void* layers;        // LayerWeights or LayerWeightsT<bf16, bf16>
+    const QMat *embed_q, *head_q;
+    const float* final_norm;
+    long vocab, Hd, nl, H, KV, D, I, nb, bs;
+    float eps, scale, embed_scale;
+    int gemma, act, nt, bf16;
+    float* logits;           // [N, vocab]
+    int64_t* argmax;         // [N] or null: each row's zoo_argmax index ...
+    float* argmax_values;    // [N] ... and its value (the sampler checks it is finite)
+};
+
+extern "C" int zoo_llama_step(const StepArgs* a) {
+    int bad = a->bf16
+        ? llama_forward(a->ids, a->T, (const bf16*)a->embed, a->vocab, a->Hd,
+                        (const LayerWeightsT<bf16, bf16>*)a->layers, a->nl, a->H, a->KV, a->D, a->I, a->eps, a->scale,
+                        a->pos, a->cos, a->sin, a->table_len, a->F, a->nb, a->bs, a->slots, a->tables, a->max_blocks,
+                        a->qsl, a->seq_lens, a->B, a->final_norm, a->rows, a->N, (const bf16*)a->head, a->logits,
+                        a->gemma, a->embed_scale, a->act, a->nt, nullptr, nullptr)
+        : llama_forward(a->ids, a->T, (const float*)a->embed, a->vocab, a->Hd, (const LayerWeights*)a->layers, a->nl,
+                        a->H, a->KV, a->D, a->I, a->eps, a->scale, a->pos, a->cos, a->sin, a->table_len, a->F, a->nb,
+                        a->bs, a->slots, a->tables, a->max_blocks, a->qsl, a->seq_lens, a->B, a->final_norm, a->rows,
+                        a->N, (const float*)a->head, a->logits, a->gemma, a->embed_scale, a->act, a->nt, a->embed_q,
+                        a->head_q);
+    if (!bad && a->argmax) zoo_argmax(a->logits, a->N, a->vocab, a->vocab, a->argmax, a->argmax_values, a->nt);
+    return bad;
 }
