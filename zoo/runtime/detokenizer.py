@@ -47,6 +47,7 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.min_tokens, self.outputs = min_tokens, 0
         self.backend = _backend_decode(tokenizer)
+        self.deferred: list[int] = []  # tokens the engine has yet to add, one add_tokens call each (LLMEngine.step)
 
     def _decode(self, ids: list[int]) -> str:
         if self.backend is not None:

@@ -277,7 +277,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one step ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run and sample one step: each of its sampling requests' RequestOutput. finished_only (LLM.generate):
+        only those of the requests that finished; the others' tokens wait to be detokenised until they finish (or
+        until a step returns their output), unless they have stop strings to look for."""
         out = self.scheduler.schedule()
         if out.empty:
             if self.scheduler.has_unfinished():
@@ -299,17 +302,25 @@ class LLMEngine:
         self.scheduler.update_from_output(out, tokens)
         for req in broken:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, NON_FINITE)
-        outputs = [self._output(req, tokens.get(req.request_id)) for req in reqs]
+        outputs = [self._output(req, tokens.get(req.request_id), finished_only) for req in reqs]
+        if finished_only:
+            outputs = [o for o in outputs if o is not None]
         if self.mm is not None:
             for req in reqs:
                 if req.finished:
                     self.mm.release(req.request_id)
         return outputs
 
-    def _output(self, req: Request, token: int | None) -> RequestOutput:
+    def _output(self, req: Request, token: int | None, finished_only: bool = False) -> RequestOutput | None:
         delta, text = "", ""
         detok = self.detokenizers.get(req.request_id)
         if detok is not None:
+            if finished_only and not req.finished and not detok.stop and self.runner.fast:
+                detok.deferred.append(token)  # (nothing reads the text before the request ends, nor looks for a
+                return None  # stop string in it: its tokens are detokenised when it ends, with the same calls)
+            for t in detok.deferred:  # (their deltas belong to outputs that were not returned)
+                detok.add_tokens([t])
+            detok.deferred.clear()
             # a stop token (EOS, stop_token_ids) ends the output without its text, as vLLM's does (with
             # skip_special_tokens=False the text would end in '</s>'), unless include_stop_str_in_output
             stop_token = req.finished and req.finish_reason == "stop" and token is not None and \
@@ -321,6 +332,8 @@ class LLMEngine:
                 delta += detok.flush()
                 del self.detokenizers[req.request_id]
             text = detok.text[:detok.emitted]
+        if finished_only and not req.finished:
+            return None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, text, list(req.output_token_ids),
                              req.logprobs, req.finish_reason, req.stop_reason, delta, [token] if token is not None else [],
                              req.num_cached_tokens or 0, req.num_preemptions, prompt_logprobs=req.prompt_logprobs)

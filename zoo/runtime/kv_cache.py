@@ -152,6 +152,9 @@ class KVCacheManager:
         Returns False, changing nothing, when the free list is too short.
         """
         held = self.req_blocks.setdefault(req.request_id, [])
+        if not new_computed_blocks and req.num_computed_tokens + num_new_tokens <= len(held) * self.block_size \
+                and (self.state_slots is None or self.state_slots.has(req.request_id)):
+            return True  # (a decode step inside its last block: nothing to take)
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         need = math.ceil((num_computed + num_new_tokens) / self.block_size) - len(held) - len(new_computed_blocks)
         # Cache hits that nobody references sit in the free list: touching them takes them out of it.

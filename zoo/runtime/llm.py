@@ -248,8 +248,8 @@ class LLM:
             mine, final = set(ids), {}
             try:
                 while len(final) < len(ids):
-                    for out in self.engine.step():
-                        if out.finished and out.request_id in mine:  # (requests added to the engine directly
+                    for out in self.engine.step(finished_only=True):
+                        if out.request_id in mine:  # (requests added to the engine directly
                             final[out.request_id] = out  # are stepped too, but not returned)
             except BaseException:
                 for rid in ids:

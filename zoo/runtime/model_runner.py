@@ -23,6 +23,7 @@ the Triton kernels (their torch references on the CPU), the step's metadata in o
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Callable
 
@@ -31,7 +32,7 @@ import torch
 from zoo import kernels
 from zoo.kernels import host_sync
 from zoo.kernels import triton as triton_kernels
-from zoo.kernels.fused import FusedDecoder
+from zoo.kernels.fused import FusedDecoder, StepBuffers
 from zoo.runtime.batch import CacheSpec, ForwardBatch, StepLists
 from zoo.runtime.kv_cache import KVCacheManager, allocate_kv_caches
 from zoo.runtime.multimodal import MultiModal
@@ -88,6 +89,22 @@ class ModelRunner:
         # snapshot copies run since the last take_state_copies(), kept when a tensor-parallel group is attached
         self.keep_state_copies = False
         self.state_copies: list[tuple[str, int, int]] = []
+        # the greedy fast step (`fast_step`), the Sampler's greedy path and the engine's deferred detokenisation:
+        # False sends every step through the general path (plan, fused.run or the modules, the Sampler's general
+        # draw, text every step), which they equal (bench/generate.py times both; tests/test_fast_step.py)
+        self.fast = True
+        self.buffers = StepBuffers(self.fused) if self.fused is not None and self.fused.long_rope is None else None
+        # the last fast step's (request, seq_len, its block list, the blocks its table row holds)
+        self.steady: list[tuple[Request, int, list, int]] = []
+        self.fast_steps = self.steady_steps = 0  # steps the fast step ran, and of them the steady ones (tests)
+
+    @property
+    def fast(self) -> bool:
+        return self._fast
+
+    @fast.setter
+    def fast(self, on: bool) -> None:
+        self._fast = self.sampler.fast = bool(on)
 
     def take_state_copies(self) -> list[tuple[str, int, int]]:
         """The state snapshot saves / restores run on this process's states since the last call, in order (a
@@ -169,9 +186,80 @@ class ModelRunner:
             batch.mrope_positions = self.mm.positions_3d(out.scheduled, dev)  # [3, T] or None
         return input_ids, positions_t, batch
 
-    @torch.inference_mode()
+    def fast_step(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput] | None:
+        """The step on the fused driver with its argmax, when every scheduled request samples a plain greedy token
+        (Request.plain_greedy) and nothing else reads the logits (no logits_hook, no prompt logprobs, no images):
+        the general path's tokens without its Python. A decode step of the requests of the fast step before, in
+        the same order, each one token further in the same blocks, updates the kept metadata in place (no plan:
+        `_advance`); any other step plans afresh. None: the general path runs it."""
+        buffers, scheduled, steady = self.buffers, out.scheduled, self.steady
+        if buffers is None or buffers.fused is not self.fused or self.logits_hook is not None or self.mm is not None:
+            self.steady = []  # (the buffers are the driver's: not a runner's whose driver was taken away)
+            return None
+        t0 = time.perf_counter()
+        if len(steady) == len(scheduled) and self._advance(scheduled, kv.req_blocks):
+            if not self.fused.usable(quick=True):
+                self.steady = []
+                return None
+            buffers.cover(max(n for _, n, _, _ in steady))
+            self.steady_steps += 1
+        else:
+            if not self.fused.usable():
+                self.steady = []
+                return None
+            for s in scheduled:
+                if not s.samples or not s.request.plain_greedy or s.request.wants_prompt_logits:
+                    self.steady = []
+                    return None
+            step = self.plan(out, kv)
+            buffers.load(step)
+            held = kv.req_blocks
+            self.steady = [(s.request, n, held[s.request.request_id], len(held[s.request.request_id]))
+                           for s, n in zip(scheduled, step.seq_lens_cpu)]
+        t1 = time.perf_counter()
+        tokens, values = buffers()
+        self.fast_steps += 1
+        if not all(map(math.isfinite, values)):
+            tokens = [t if math.isfinite(v) else None for t, v in zip(tokens, values)]
+        self.last_timings = dict(prepare=t1 - t0, forward=buffers.native_s, logits=0.0, native=buffers.native_s,
+                                 sample=0.0, requests=len(scheduled), tokens=buffers.args.T)
+        return [s.request for s in scheduled], SamplerOutput(tokens, [None] * len(tokens))
+
+    def _advance(self, scheduled, held: dict) -> bool:
+        """The steady decode step: each request of the last fast step, in order, computes its next token in the
+        same block list (a block the scheduler appended goes onto its table row while the row has room); its token,
+        position, slot and length written into the kept buffers. False (the buffers half written: the caller loads
+        the step afresh) when a request differs."""
+        buffers, steady, bs = self.buffers, self.steady, self.block_size
+        ids, pos, slots, seq_lens, tables = buffers.ids, buffers.pos, buffers.slots, buffers.seq_lens, buffers.tables
+        a, b = buffers.args, len(steady)
+        mb = a.max_blocks
+        for i, s in enumerate(scheduled):
+            r, p, blocks, width = steady[i]  # (p: the position this step computes, the length the last step left)
+            if s.request is not r or s.num_computed_tokens != p or s.num_new_tokens != 1 or not s.samples \
+                    or held.get(r.request_id) is not blocks:
+                return False
+            if p >= width * bs:  # into the block the scheduler just gave it: on its table row, if it has room
+                if width == mb or len(blocks) <= width:
+                    return False
+                tables[i * mb + width] = blocks[width].block_id
+                width += 1
+            ids[i], pos[i], seq_lens[i] = r.all_token_ids[p], p, p + 1
+            slots[i] = tables[i * mb + p // bs] * bs + p % bs
+            steady[i] = (r, p + 1, blocks, width)
+        if a.T != b:  # the step before was a prefill: one token and one sampled row per request now
+            buffers.qsl[:b + 1], buffers.row_ids[:b] = range(b + 1), range(b)
+            a.T = a.N = b
+        return True
+
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and what they sampled (in the same order)."""
+        done = self.fast_step(out, kv) if self.fast else None
+        return done if done is not None else self._execute(out, kv)
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
+        """The general path: the step planned, run on the fused driver or the modules, sampled by the Sampler."""
         t0 = time.perf_counter()
         step = self.plan(out, kv)
         reqs = [s.request for s in out.scheduled if s.samples]
@@ -181,6 +269,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits = self.fused.run(step)  # [N, V], forward and head in one call, straight from the lists
             t2 = t3 = time.perf_counter()
+            shape["native"] = self.fused.native_s
         else:
             input_ids, positions, batch = self.tensors(step, out, kv)
             t1 = time.perf_counter()

@@ -63,6 +63,9 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None
         self.bad_words_token_ids: list[list[int]] = []  # the engine tokenises SamplingParams.bad_words
         self.grammar = None  # structured outputs: its zoo.runtime.structured.Matcher, fed every output token
+        p = sampling_params  # greedy with nothing for the sampler to apply or report: the sampler's fast path
+        self._plain_greedy = p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.restricts_logits \
+            and not p.uses_penalties
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
@@ -87,6 +90,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without logprobs, min_tokens, logit bias / allowed tokens / bad words, penalties or a grammar: its
+        token is the argmax of its raw logits (Sampler.greedy)."""
+        return self._plain_greedy and self.grammar is None
 
     @property
     def wants_prompt_logits(self) -> bool:
