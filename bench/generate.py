@@ -2,6 +2,7 @@
 float32, greedy, 2 torch threads. Both run in this one process, on the same prompts, one after the other.
 
     python bench/generate.py [--requests 16] [--new-tokens 64] [--repeat 5] [--decode-repeat 5] [--quick]
+    python bench/generate.py --python-step [--dtype float32|bfloat16|auto] [--decode-repeat 5]   # (6) alone
     python bench/generate.py --multimodal [options]   # a random-weight LLaVA, 8 requests with one image each,
                                     # vs transformers, see bench/generate_multimodal.py
     python bench/generate.py --moe [bench/generate_moe.py's options]   # the MoE case: a random-weight
@@ -21,6 +22,13 @@ float32, greedy, 2 torch threads. Both run in this one process, on the same prom
     computes the padded batch: that is what a ragged batch costs it).
 (5) zoo's per-step CPU overhead at batch R (decode steps of (1)): the step's wall time minus the model's
     forward and logits, i.e. scheduling, metadata, sampling, bookkeeping and detokenisation.
+(6) Python per decode step at batch 1: LLM.generate of one prompt, each decode step's wall time (engine.step)
+    minus the seconds of the one native call that runs the model (runner.last_timings["native"]: forward and
+    head, and on the fast step the argmax), i.e. every line of Python the step runs (scheduler, metadata, the
+    call's marshalling, sampling, bookkeeping, detokenisation). The fast step (runner.fast, the default) and the
+    general path (runner.fast = False: plan, fused.run, the Sampler) alternate, --decode-repeat rounds each,
+    after one round each to warm up; medians of every decode step. Each is also shown as a share of its step:
+    absolute times move with the machine's load (a 2-core box shared with other jobs), the shares less.
 The zoo side runs as `zoo run` would: native kernels on unless ZOO_FAST=0 (then the torch reference path).
 (1) and (4) run --repeat rounds, each round zoo then transformers on the same work; the verdict is the median of
 the rounds' ratios (the two runs of a round see the same machine: its memory bandwidth and neighbours change
@@ -46,7 +54,7 @@ from zoo import LLM, SamplingParams, kernels  # noqa: E402
 from zoo.default_model import default_model_path  # noqa: E402
 from zoo.table import print_table  # noqa: E402
 
-GOALS = {"batch": 3.0, "floor": 0.70, "serial": 2.5, "prefill": 0.9, "overhead": 0.10}
+GOALS = {"batch": 3.0, "floor": 0.70, "serial": 2.5, "prefill": 0.9, "overhead": 0.10, "python_ms": 0.3}
 
 
 def corpus_ids(tokenizer) -> list[int]:
@@ -102,9 +110,9 @@ class StepTimer:
         self._step = llm.engine.step
         llm.engine.step = self
 
-    def __call__(self):
+    def __call__(self, **kwargs):
         t = time.perf_counter()
-        outs = self._step()
+        outs = self._step(**kwargs)
         self.records.append((time.perf_counter() - t, dict(self.engine.runner.last_timings)))
         return outs
 
@@ -147,6 +155,48 @@ def hf_decode_ms(ref, prompt, n: int):
     return (times[n] - times[1]) / (n - 1) * 1000, g[0, len(prompt):].tolist()
 
 
+def python_per_step(llm: LLM, timer: StepTimer, prompt, n: int, rounds: int) -> dict[bool, list[tuple[float, float]]]:
+    """(6): {fast: [(step seconds, Python seconds)] of every batch-1 decode step}, fast and general rounds in turn."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    runner, out = llm.engine.runner, {True: [], False: []}
+    try:
+        for i in range(2 * (rounds + 1)):
+            runner.fast = i % 2 == 0
+            timer.records.clear()
+            llm.generate([prompt], params)
+            if i >= 2:  # (a round of each first: warm-up)
+                out[runner.fast] += [(w, w - t["native"]) for w, t in timer.records
+                                     if t.get("requests") == t.get("tokens") == 1 and "native" in t]
+    finally:
+        runner.fast = True
+    return out
+
+
+def python_step_only(args) -> int:
+    """--python-step: (6) alone, on the embedded model in --dtype, with the machine's load."""
+    load_start = os.getloadavg()
+    llm = LLM(dtype=None if args.dtype == "auto" else args.dtype, enable_prefix_caching=False)
+    timer = StepTimer(llm)
+    prompt = make_prompts(llm.tokenizer, args.requests)[0]
+    steps = python_per_step(llm, timer, prompt, args.decode_tokens, args.decode_repeat)
+    if not steps[True] or not steps[False]:
+        print("(6) not measured: the steps did not run the fused native step (ZOO_FAST=0?)")
+        return 1
+    print(f"SmolLM2-135M-Instruct ({args.dtype}), batch 1, {len(prompt)}-token prompt, {args.decode_tokens} tokens, "
+          f"x{args.decode_repeat} rounds per path, torch threads = {args.threads}; load average "
+          f"{load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}")
+    for fast in (False, True):
+        v = steps[fast]
+        step, py = median([w for w, _ in v]) * 1000, median([p for _, p in v]) * 1000
+        print(f"(6) {'fast step   ' if fast else 'general path'}: step {step:.2f} ms, Python {py:.3f} ms = "
+              f"{median([p / w for w, p in v]):.2%} of the step (mean {statistics.mean(p for _, p in v) * 1000:.3f} "
+              f"ms; {len(v)} decode steps)")
+    ratio = median([p for _, p in steps[True]]) / median([p for _, p in steps[False]])
+    print(f"(6) Python fast / general {ratio:.2f}x; goal < {GOALS['python_ms']} ms: "
+          f"{verdict(median([p for _, p in steps[True]]) * 1000 < GOALS['python_ms'])}")
+    return 0
+
+
 def median(xs):
     return statistics.median(xs)
 
@@ -185,10 +235,15 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-repeat", type=int, default=5, help="samples of (2), each with its own floor")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one run each, (3) on 4 prompts: a smoke test")
+    ap.add_argument("--python-step", action="store_true", help="only (6), zoo alone (no transformers)")
+    ap.add_argument("--dtype", default="float32", help="zoo's model dtype for --python-step (auto: zoo run's, the "
+                    "GGUF kept quantized)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat = args.decode_repeat = 1
     torch.set_num_threads(args.threads)
+    if args.python_step:
+        return python_step_only(args)
     say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
     load_start = os.getloadavg()
 
@@ -258,6 +313,12 @@ def main(argv=None) -> int:
         hf_pf.append(s)
         pf_mismatch = sum(x != y for x, y in zip(a, b))
 
+    say(f"(6) Python per batch-1 decode step: fast step and general path in turn, {args.decode_tokens} tokens, "
+        f"x{args.decode_repeat}")
+    py_steps = python_per_step(llm, timer, short, args.decode_tokens, args.decode_repeat)
+    py = {fast: (median([w for w, _ in v]) * 1000, median([p for _, p in v]) * 1000, median([p / w for w, p in v]))
+          if v else None for fast, v in py_steps.items()}  # (step ms, Python ms, Python / step)
+
     load_end = os.getloadavg()
     step_ms = median([w for w, _ in steps]) * 1000 if steps else float("nan")
     model_ms = median([t["forward"] + t["logits"] for _, t in steps]) * 1000 if steps else float("nan")
@@ -298,6 +359,10 @@ def main(argv=None) -> int:
         (f"(5) runtime CPU overhead per decode step, batch {args.requests}", f"{overhead_ms:.2f} ms", "",
          f"step {step_ms:.1f} ms", f"{ratios['overhead']:.1%} of the step", f"< {GOALS['overhead']:.0%}",
          verdict(ratios["overhead"] < GOALS["overhead"])),
+        *([("(6) Python per decode step, batch 1", f"{py[True][1]:.3f} ms", "",
+            f"general path {py[False][1]:.3f} ms", f"{py[True][2]:.2%} of the step (general {py[False][2]:.2%})",
+            f"< {GOALS['python_ms']} ms", verdict(py[True][1] < GOALS["python_ms"]))]
+          if py[True] and py[False] else []),
     ])
     print(f"\n(1) rounds: zoo {', '.join(f'{n_out / s:.1f}' for s in zoo_s)} tok/s; transformers "
           f"{', '.join(f'{n_out / s:.1f}' for s in hf_s)} tok/s; ratio per round "
@@ -313,6 +378,12 @@ def main(argv=None) -> int:
               f"{model_ms:.1f} ms (forward + logits) + overhead {overhead_ms:.2f} ms, of which metadata "
               f"{parts['prepare']:.2f} ms, sampling {parts['sample']:.2f} ms, scheduler/bookkeeping/detokenizer "
               f"{overhead_ms - parts['prepare'] - parts['sample']:.2f} ms")
+    if py[True] and py[False]:
+        print(f"(6) batch-1 decode steps (median of {len(py_steps[True])} / {len(py_steps[False])}): fast step "
+              f"{py[True][0]:.1f} ms of which Python {py[True][1]:.3f} ms; general path {py[False][0]:.1f} ms of "
+              f"which Python {py[False][1]:.3f} ms; Python fast / general {py[True][1] / py[False][1]:.2f}x")
+    else:
+        print("(6) not measured: the steps did not run the fused native step (ZOO_FAST=0?)")
     print(f"\n(1) greedy outputs equal to transformers': {args.requests - len(mismatches)}/{args.requests}")
     for i, pos in mismatches:
         print(f"    request {i} (prompt {len(prompts[i])} tokens): first difference at output token {pos}: "
