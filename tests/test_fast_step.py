@@ -25,7 +25,8 @@ def tiny_llama(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: extra threads only cost synchronisation
     model, config, _, _ = build_model(save_tiny("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), vocab_size=256,
-                                                hidden_size=128, intermediate_size=192, randomize=True))
+                                                hidden_size=128, intermediate_size=192, max_position_embeddings=1024,
+                                                randomize=True))
     yield model, config
     torch.set_num_threads(n)
 
@@ -99,6 +100,30 @@ def test_seeded_sampling_and_logprobs_mid_run(tiny_llama):
     got, engine = same_on_both_paths(model, config, arrivals)
     assert got["l"][1] is not None and len(got["l"][1]) == 4
     assert engine.runner.steady_steps > 5
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_rope_tables_grown_by_the_general_path(arch, tmp_path):
+    """A request of 300 prompt tokens that wants logprobs runs on the general path between fast steps and grows the
+    rope tables past 256 positions (the old tables freed): the fast steps after it point at the new tables. Each
+    path on a model of its own (the tables are the model's). Gemma3: a table per rope base, each layer its own."""
+    from tiny import save_tiny
+    from zoo.build import build_model
+
+    extra = dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"]) \
+        if arch == "Gemma3ForCausalLM" else {}
+    path = save_tiny(arch, tmp_path, vocab_size=256, max_position_embeddings=1024, randomize=True, **extra)
+    arrivals = {0: [("a", prompt(0, 6), greedy(40))],
+                6: [("long", prompt(1, 300), greedy(2, logprobs=1))]}
+    runs = {fast: drive(*build_model(path)[:2], arrivals, fast=fast) for fast in (True, False)}  # (fast first:
+    # builds of one config share their ropes, rotary.get_rope: the general run would grow them first)
+    assert {r: v[0] for r, v in runs[True][0].items()} == {r: v[0] for r, v in runs[False][0].items()}
+    fused, buffers = runs[True][1].runner.fused, runs[True][1].runner.buffers
+    assert fused is not None and runs[True][1].runner.steady_steps > 20
+    tables = fused._tables([1])  # each rope's table now (grown to 512 rows by the long prompt)
+    assert tables[0][0].shape[0] == buffers.args.table_len == 512 and buffers.args.cos == tables[0][0].data_ptr()
+    if len(tables) > 1:
+        assert [layer.cos for layer in fused.layers] == [tables[i][0].data_ptr() for i in fused.meta["layer_rope"]]
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -154,13 +154,15 @@ class StepBuffers:
         self.qsl[:b + 1], self.seq_lens[:b] = step.query_start_loc_cpu, step.seq_lens_cpu
         self.row_ids[:n] = step.logits_indices
         a.T, a.B, a.N, a.max_blocks = t, b, n, step.max_blocks
-        self.cover(max(step.seq_lens_cpu, default=1))
+        self.cover(max(step.seq_lens_cpu, default=1), again=True)
 
-    def cover(self, length: int) -> None:
-        """The rope tables cover `length` positions (grown, and their pointers taken again, when they did not)."""
-        if length <= self.table_len:
+    def cover(self, length: int, *, again: bool = False) -> None:
+        """The rope tables cover `length` positions: grown when they did not, and their pointers taken again then
+        or when `again` (another step, e.g. the general path's, may have grown and replaced the tables and set the
+        layers' pointers since). The tables pointed at are held, so a pointer never outlives its table."""
+        if length <= self.table_len and not again:
             return
-        rope_tables = self.fused._tables([length])
+        self.rope_tables = rope_tables = self.fused._tables([length])
         if len(rope_tables) > 1:  # each layer's own table (as FusedDecoder._forward)
             for layer, i in zip(self.fused.layers, self.fused.meta["layer_rope"]):
                 layer.cos, layer.sin = rope_tables[i][0].data_ptr(), rope_tables[i][1].data_ptr()
