@@ -95,7 +95,7 @@ class ModelRunner:
         self.fast = True
         self.buffers = StepBuffers(self.fused) if self.fused is not None and self.fused.long_rope is None else None
         # the last fast step's (request, seq_len, its block list, the blocks its table row holds)
-        self.steady: list[tuple[Request, int, list, int]] = []
+        self.steady: list[tuple[Request, int, list, int]]
         self.fast_steps = self.steady_steps = 0  # steps the fast step ran, and of them the steady ones (tests)
 
     @property
@@ -105,6 +105,7 @@ class ModelRunner:
     @fast.setter
     def fast(self, on: bool) -> None:
         self._fast = self.sampler.fast = bool(on)
+        self.steady = []  # (steps on the general path meanwhile: the next fast step plans afresh)
 
     def take_state_copies(self) -> list[tuple[str, int, int]]:
         """The state snapshot saves / restores run on this process's states since the last call, in order (a
