@@ -22,7 +22,11 @@ cache missed: a vision tower split by heads runs on every rank, its all-reduces 
 step merges then travel with "forward", so only rank 0 keeps an encoder cache), "logits" (the hidden rows rank 0
 takes the head of), "load" / "release" (a kept pool, below), "stop".
 The row-parallel sums and the vocab gathers (zoo/layers/parallel.py) are collectives of the default group,
-each with a timeout; a rank that dies ends the run with an error naming it. Sampling happens on rank 0 only.
+each with a timeout. Sampling happens on rank 0 only.
+
+Across machines (torchrun --nnodes N, gloo over TCP): a rank that dies ends the run with an error naming its rank
+and host (`Roll`: every rank's host and pid gathered at init; each worker beats in the group's TCP store and says
+why before it leaves on its own, so rank 0 tells the rank that died from those that stopped after it).
 
 `shared_workers()` keeps spawned workers up across groups of one size (each group loads its own model on them):
 one spawn for many models, as the tests use it.
@@ -32,8 +36,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -47,6 +55,8 @@ INIT_TIMEOUT = 120.0  # seconds for every rank to start, join and load (spawned 
 STEP_TIMEOUT = 20.0  # seconds a collective waits for the other ranks (a dead rank is usually seen at once)
 JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after close()
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step: as long as rank 0 idles
+BEAT = 0.25  # seconds between a worker's heartbeats in the group's store
+STALE = 1.5  # after a failed collective, a worker whose heartbeat does not move for this long is taken for dead
 BATCH_FIELDS = ("query_start_loc", "seq_lens", "positions", "slot_mapping", "block_tables", "logits_indices",
                 "block_size", "query_start_loc_cpu", "seq_lens_cpu", "num_tokens_cpu",
                 "state_indices", "state_indices_cpu", "has_initial_state_cpu",  # hybrid SSM: each request's slot
@@ -76,14 +86,98 @@ def launched() -> tuple[int, int] | None:
 
 
 def _init(rank: int, size: int, port: int | None, seconds: float):
-    """Join the default group (tcp on 127.0.0.1:port, or env:// for a launcher); returns the control group."""
+    """Join the default group (tcp on 127.0.0.1:port, or env:// for a launcher); returns (the control group, the
+    group's Roll)."""
     timeout = datetime.timedelta(seconds=seconds)
     if port is None:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size, timeout=timeout)
+        addr = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=timeout)
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        addr = ("127.0.0.1", port)
+    ctl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return ctl, Roll(rank, size, addr)
+
+
+class Roll:
+    """Who each rank is and which still live, for naming a rank that died on whichever machine it ran.
+
+    At init every rank says its host name and pid (an all-gather). Each worker then adds 1 to its key in the
+    group's TCP store (the one the group met at: rank 0's, or torchrun's agent's) every BEAT seconds from a daemon
+    thread, and writes why before it leaves on its own: a failed collective, or its launcher's SIGTERM (torchrun
+    stops every rank of a node when one of them dies; the thread takes the signal, so it is said even while the
+    main thread waits inside a collective). After a failed collective, rank 0 reads the beats twice, STALE seconds
+    apart: a worker whose beat stopped and that left no word died (or its host cannot be reached)."""
+
+    def __init__(self, rank: int, size: int, addr: tuple[str, int]):
+        self.rank, self.size = rank, size
+        hosts = [None] * size
+        dist.all_gather_object(hosts, (socket.gethostname(), os.getpid()))
+        self.hosts: list[tuple[str, int]] = hosts  # [(host name, pid)] by rank
+        self.store = dist.TCPStore(addr[0], addr[1], is_master=False,
+                                   timeout=datetime.timedelta(seconds=STEP_TIMEOUT))
+
+    def name(self, rank: int) -> str:
+        return f"rank {rank} (host {self.hosts[rank][0]})"
+
+    def beat(self) -> None:
+        """A worker: beat from a daemon thread until the process ends; the thread also takes SIGTERM (blocked here,
+        in the main thread, from now on; call this from the main thread)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=self._beat, name=f"zoo-tp-beat-{self.rank}", daemon=True).start()
+
+    def _beat(self) -> None:
+        beating = True
+        while True:
+            if signal.sigtimedwait({signal.SIGTERM}, BEAT) is not None:
+                self.leave("was stopped by its launcher (SIGTERM), after another rank failed")
+                os._exit(128 + signal.SIGTERM)
+            if beating:
+                try:
+                    self.store.add(f"zoo/beat/{self.rank}", 1)
+                except (RuntimeError, dist.DistError):
+                    beating = False  # the store is gone (rank 0's process, or the launcher): keep taking SIGTERM
+
+    def leave(self, why: str, *, wait: bool = False) -> None:
+        """A worker leaving on its own says why (rank 0 reads it when it names the ranks that failed). `wait`: then
+        wait until rank 0 has named them (at most STALE + STEP_TIMEOUT s): under torchrun, a rank that exits makes its
+        launcher stop every rank of its node, rank 0 too when it is one of them, before rank 0 could say who died."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.store.set(f"zoo/left/{self.rank}", why)
+            if wait:
+                self.store.wait(["zoo/named"], datetime.timedelta(seconds=STALE + STEP_TIMEOUT))
+
+    def failed(self, exits=dict) -> list[str]:
+        """Rank 0, after a failed collective: what became of each worker that is gone, those that died first
+        (`exits()`: the exit status of the spawned workers that ended, by rank, read after the wait: how they died)."""
+        def beats():
+            out = {}
+            for r in range(1, self.size):
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    out[r] = self.store.add(f"zoo/beat/{r}", 0)
+            return out
+
+        before = beats()
+        time.sleep(STALE)
+        after = beats()
+        left = {}
+        for r in range(1, self.size):
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                if self.store.check([f"zoo/left/{r}"]):
+                    left[r] = self.store.get(f"zoo/left/{r}").decode(errors="replace")
+        exits = exits()
+        stopped = [r for r in range(1, self.size) if r not in after or after[r] == before.get(r) or r in exits]
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.store.set("zoo/named", "1")  # the workers waiting in leave() may go
+        died = [f"{self.name(r)} " + (_how(exits[r]) if r in exits else
+                                      f"died (no heartbeat for {STALE:g} s, or its host cannot be reached)")
+                for r in stopped if r not in left]
+        return died + [f"{self.name(r)} {why}" for r, why in sorted(left.items())]
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _load(path, rank: int, size: int, dtype: torch.dtype):
@@ -182,12 +276,15 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
 def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype) -> None:
     """A spawned rank: join, then serve until rank 0 says stop."""
     torch.set_num_threads(1)
+    roll = None
     try:
-        ctl = _init(rank, size, port, INIT_TIMEOUT)
+        ctl, roll = _init(rank, size, port, INIT_TIMEOUT)
+        roll.beat()
         _serve(rank, size, path, dtype, ctl)
-    except TensorParallelError:
-        pass  # rank 0 says it
-    except Exception:  # noqa: BLE001 - rank 0 names this rank; the trace is for whoever reads stderr
+    except TensorParallelError as e:
+        _leave(roll, e)  # rank 0 says it
+    except Exception as e:  # noqa: BLE001 - rank 0 names this rank; the trace is for whoever reads stderr
+        _leave(roll, e)
         traceback.print_exc()
         os._exit(1)
     finally:
@@ -201,18 +298,30 @@ def run_worker(path, *, dtype: torch.dtype = torch.float32) -> int:
     rank, size = launched() or (0, 1)
     if rank == 0:
         raise TensorParallelError("run_worker() is for ranks > 0 of a launched group; rank 0 builds the LLM")
+    roll = None
     try:
-        ctl = _init(rank, size, None, INIT_TIMEOUT)
+        ctl, roll = _init(rank, size, None, INIT_TIMEOUT)
+        roll.beat()
         _serve(rank, size, str(path), dtype, ctl)
         return 0
-    except TensorParallelError:
+    except TensorParallelError as e:
+        _leave(roll, e)
         return 1  # rank 0 says it
     except Exception as e:  # noqa: BLE001
+        _leave(roll, e)
         print(f"tensor parallel rank {rank} of {size}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave(roll: Roll | None, error: BaseException) -> None:
+    """A failing worker's word to rank 0: the error's first line (gloo's source location cut), then wait for rank 0."""
+    if roll is not None:
+        first = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
+        first = first if len(first) <= 100 else first[:99] + "…"
+        roll.leave(f"left after its own step failed ({type(error).__name__}: {first})", wait=True)
 
 
 def _set_timeout(seconds: float) -> None:
@@ -249,9 +358,9 @@ class _Pool:
                                     name=f"zoo-tp-rank-{r}") for r in range(1, size)]
         for w in self.workers:
             w.start()
-        self.ctl = None
+        self.ctl, self.roll = None, None
         try:
-            self.ctl = _init(0, size, port, INIT_TIMEOUT)
+            self.ctl, self.roll = _init(0, size, port, INIT_TIMEOUT)
         except BaseException:
             self.stop()
             raise
@@ -315,14 +424,14 @@ class TensorParallelGroup:
                                "at a time (close() the other first)")
         try:
             if env is not None:  # torchrun: every rank is already running; join them
-                self.ctl = _init(0, size, None, INIT_TIMEOUT)
+                self.ctl, self.roll = _init(0, size, None, INIT_TIMEOUT)
             elif kept is not None:  # the kept workers load this model
-                self.pool, self.ctl = kept, kept.ctl
+                self.pool, self.ctl, self.roll = kept, kept.ctl, kept.roll
                 _set_timeout(INIT_TIMEOUT)
                 dist.broadcast_object_list([{"op": "load", "path": str(path), "dtype": dtype}], src=0, group=self.ctl)
             else:
                 self.pool = _Pool(size, path, dtype)
-                self.ctl = self.pool.ctl
+                self.ctl, self.roll = self.pool.ctl, self.pool.roll
             self.closed = False
             self.peak = Peak()
             self.model, self.config, self.spec, self.load_report = self._guard(_load, path, 0, size, dtype)
@@ -403,16 +512,17 @@ class TensorParallelGroup:
             raise self._failure(e) from None
 
     def _failure(self, error: BaseException) -> TensorParallelError:
-        for w in self.workers:
-            w.join(timeout=1.0)  # a rank that died is seen as exited within a moment
-        dead = [(r, w.exitcode) for r, w in enumerate(self.workers, start=1) if w.exitcode is not None]
+        def exits():
+            return {r: w.exitcode for r, w in enumerate(self.workers, start=1) if w.exitcode is not None}
+
+        said = self.roll.failed(exits) if getattr(self, "roll", None) is not None else \
+            [f"rank {r} {_how(c)}" for r, c in exits().items()]
         self.close(keep=False)
-        if dead:
-            said = ", ".join(f"rank {r} " + (f"was killed by signal {-c}" if c < 0 else f"exited with status {c}")
-                             for r, c in dead)
-            return TensorParallelError(f"tensor parallel group of {self.size}: {said}; the run is over")
+        if said:
+            return TensorParallelError(f"tensor parallel {'; '.join(said)}; the run is over (group of {self.size})")
+        first = str(error).splitlines()[0] if str(error) else ""
         return TensorParallelError(f"tensor parallel group of {self.size}: a collective failed on rank 0 "
-                                   f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+                                   f"({type(error).__name__}: {first}); every rank still beats")
 
     def close(self, keep: bool = True) -> None:
         """Tell the workers to stop (or, inside shared_workers(), to drop this model and wait for the next), wait
