@@ -18,7 +18,7 @@ LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="cpu", config=None,
-                tp: loader.Parallel | None = None, quantized: bool = False):
+                tp: loader.Parallel | None = None, quantized: bool = False, stage=None):
     """(model in eval mode, transformers config, ArchSpec, loader.LoadReport).
 
     `path_or_source` is a local directory in the Hugging Face layout, a hub id, or a `loader.Source`;
@@ -26,10 +26,15 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     `tp=Parallel(rank, size)`: this rank's part of a tensor-parallel model (its slices only, the layers that
     talk to the other ranks swapped in: zoo/layers/parallel.py); its forward needs torch.distributed's group.
     `quantized=True`: a GGUF's block-quantised weights stay quantised (CPU, float32 for the rest; loader/quant.py).
+    `stage=Stage(index, size)`: one stage of a pipeline-parallel model (its layers' tensors only, the other stages'
+    modules stand-ins that pass the hidden states on: zoo/runtime/pipeline.py).
     """
     if quantized and (torch.device(device).type != "cpu" or dtype is not torch.float32 or tp is not None):
         raise ValueError("a quantized GGUF runs on the CPU, with float32 activations, tensor parallel size 1 "
                          f"(got device={device}, dtype={dtype}, tp={tp}); dequantize it for the others")
+    if stage is not None and stage.size > 1 and (quantized or (tp is not None and tp.size > 1)):
+        raise ValueError(f"pipeline parallel size {stage.size} runs unquantized weights, tensor parallel size 1 "
+                         f"(got tp={tp}, quantized={quantized})")
     # not strict here: an index that disagrees with its shards is reported by load() with every other problem
     source = loader.open_source(path_or_source, strict=False, quantized=quantized) \
         if isinstance(path_or_source, (str, Path)) else path_or_source
@@ -47,6 +52,10 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
         with torch.device("meta"):
             model = spec.build(config)  # a PluginError naming the plugin, the architecture and the raise
         rules, tp = rules_for(spec, model), None
+    if stage is not None and stage.size > 1:
+        from zoo.runtime.pipeline import split
+
+        rules = split(model, source, rules, stage)
     # float32 / bfloat16 CPU weights are read straight into the kernels' packed layout (kernels.pack_weights, no copy)
     allocate = kernels.packed_allocator(model) if tp is None and dtype in kernels.PACKED \
         and torch.device(device).type == "cpu" else None

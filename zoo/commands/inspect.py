@@ -1,9 +1,12 @@
 """Show the loader's plan for a checkpoint, from headers only: what maps where, and every problem.
 
-    zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all] [--tensor-parallel-size N]
+    zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all]
+                [--tensor-parallel-size N | --pipeline-parallel-size N]
 
 With --tensor-parallel-size N, every rank's plan is computed here (no rank is spawned): the bytes each rank
-reads, and the proof that the ranks' slices cover every element of every tensor exactly once.
+reads, and the proof that the ranks' slices cover every element of every tensor exactly once. With
+--pipeline-parallel-size N, every stage's: its decoder layers, the modules besides them it reads, its bytes, and the
+proof that each tensor is read by exactly one stage (or by the stages sharing a tied parameter).
 
 Exit status: 0 the checkpoint fits the model, 1 problems found, 2 the checkpoint or model cannot be read.
 """
@@ -29,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="plan every rank of an N-way tensor-parallel group and prove their slices' union")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                        help="plan every stage of an N-stage pipeline (contiguous decoder layers) and prove that each "
+                             "checkpoint tensor is read by exactly one stage, or by the stages sharing it")
 
 
 def run(args) -> int:
@@ -40,6 +46,11 @@ def run(args) -> int:
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more")
         if args.tensor_parallel_size > 1 and args.transformers:
             raise ValueError("--tensor-parallel-size plans the zoo's model; it cannot go with --transformers")
+        if args.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: expected 1 or more")
+        if args.pipeline_parallel_size > 1 and (args.transformers or args.tensor_parallel_size > 1):
+            raise ValueError("--pipeline-parallel-size plans the zoo's model with tensor parallel size 1; it cannot "
+                             "go with --transformers or --tensor-parallel-size")
         model, rules, what = _build(source, args.transformers, args.tensor_parallel_size)
     except LoadError as e:  # with problems (a malformed header entry): a finding; else nothing to inspect
         print(f"zoo inspect: {e}")
@@ -52,6 +63,12 @@ def run(args) -> int:
         return 2
     if args.tensor_parallel_size > 1:
         return _run_ranks(model, source, rules, what, args.tensor_parallel_size)
+    if args.pipeline_parallel_size > 1:
+        try:
+            return _run_stages(source, lambda: _build(source, False)[:2], what, args.pipeline_parallel_size)
+        except ValueError as e:  # no layout, fewer layers than stages
+            print(f"zoo inspect: {e}")
+            return 2
     p = plan(model, source, rules)
     print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) "
           f"-> {what}")
@@ -111,6 +128,29 @@ def _run_ranks(model, source, rules, what: str, size: int) -> int:
         return _print_problems(rp.problems)
     print(f"ok: the {size} ranks' slices cover every element of every checkpoint tensor exactly once "
           f"(replicated tensors and KV heads by exactly the ranks that share them)")
+    return 0
+
+
+def _run_stages(source, build, what: str, size: int) -> int:
+    from zoo.runtime.pipeline import plan_stages
+
+    sp = plan_stages(build, source, size)
+    print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) -> {what}, "
+          f"pipeline parallel size {size}")
+    full = sum(source.info(k).nbytes for k in source.keys())
+    rows = []
+    for s, p in enumerate(sp.plans):
+        r = sp.ranges[s]
+        rows.append((str(s), f"{r.start}-{r.stop - 1}", ", ".join(sp.holds[s]) or "-",
+                     str(len({e.key for e in p.entries})),
+                     f"{sp.bytes(s) / 1e6:.3f}", f"{sp.bytes(s) / max(full, 1):.2f}"))
+    print_table(["stage", "layers", "besides the layers", "tensors", "MB read", "of checkpoint"], rows)
+    for key, stages in sp.replicated.items():
+        print(f"replicated: {key} is read by stages {', '.join(map(str, stages))} (a parameter they share)")
+    if sp.problems:
+        return _print_problems(sp.problems)
+    print(f"ok: each checkpoint tensor is read by exactly one of the {size} stages, or by the stages that share it; "
+          f"each stage reads only its own")
     return 0
 
 

@@ -1,0 +1,269 @@
+"""Pipeline parallelism: the decoder layers split into contiguous stages, one process each (gloo on the CPU).
+
+    group = PipelineGroup(path, size, dtype=torch.float32)   # spawns stages 1.., each loads only its tensors
+    engine = LLMEngine(group.model, group.config, ...)      # rank 0 is stage 0: scheduler, sampler, its layers
+    group.attach(engine)
+    ...
+    group.close()
+
+Shape legend: T = tokens of the step    H = hidden size    N = rows whose logits are sampled    V = vocab size
+
+The layout, from the model itself (no plugin declares one): the decoder layers are the one ModuleList whose modules
+carry `layer_idx` 0..L-1; stage s holds layers ranges[s] (contiguous, the first stages one more where L does not
+split evenly). Outside the layers, the siblings of the layer list that are embeddings or registered before it, and
+every module outside the text model but the head (a vision tower, a projector), are stage 0's; the other siblings
+registered after the list (the final norm) and the LMHead are the last stage's; a module sharing a parameter with
+one a stage holds is held too (tied embeddings: the last stage reads embed_tokens for its head).
+
+A stage's model is the whole model with the other stages' modules swapped for parameter-free stand-ins, so the
+plugin's own forward runs unchanged: a layer of another stage passes its input through, except the one just before
+the stage's first layer, which receives the previous stage's hidden states [T, H] (dist.recv), and the one just
+after its last layer, which sends them on (dist.send); another stage's embedding gives zeros [T, H], its final norm
+passes through, its head or vision tower raises if called. The loader reads only the stage's tensors: every other
+checkpoint key is an Ignore naming the stage that reads it, so each stage's load stays strict, and `plan_stages`
+(`zoo inspect --pipeline-parallel-size N`) proves each key read by exactly one stage, or by the stages that share it.
+
+The runtime: rank 0 (stage 0) schedules and samples. Each step it sends the step's metadata to every stage on the
+control group (as tensor parallelism does), runs its layers and sends the hidden states on; the last stage runs its
+layers, the final norm and the head on the step's logits rows and sends the logits [N, V] to rank 0. Each stage
+holds the KV cache and the recurrent states of its own layers, indexed by rank 0's block tables and state slots
+(rank 0's snapshot saves / restores are sent with the step). The step is one micro-batch: the stages run one after
+another, none overlaps the next micro-batch (no pipelining of a step's requests yet). Combining it with tensor
+parallelism is refused.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import loader
+from zoo.layers.embedding import LMHead, VocabEmbedding
+
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    size: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.index < self.size:
+            raise ValueError(f"pipeline stage {self.index} of {self.size}: expected 0 <= stage < size >= 1")
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+
+def stage_ranges(num_layers: int, size: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, the first num_layers % size of them one layer longer."""
+    if num_layers < size:
+        raise ValueError(f"pipeline parallel size {size}: the model has {num_layers} decoder layers, fewer than the "
+                         f"stages")
+    base, extra = divmod(num_layers, size)
+    starts = [s * base + min(s, extra) for s in range(size + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(size)]
+
+
+def decoder_layers(model: nn.Module) -> str:
+    """The name of the model's decoder layer list: the one ModuleList whose modules carry layer_idx 0..L-1."""
+    found = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and all(getattr(layer, "layer_idx", None) == i for i, layer in enumerate(m))]
+    if len(found) != 1:
+        raise ValueError(f"{type(model).__name__} has no pipeline-parallel layout: expected one list of decoder "
+                         f"layers (modules with layer_idx 0..L-1), found {found or 'none'}")
+    return found[0]
+
+
+def _parts(model: nn.Module, layers: str) -> dict[str, str]:
+    """Module name -> "first" or "last" for the modules outside the decoder layers that hold tensors."""
+    path = layers.split(".")
+    out = {}
+    for depth, step in enumerate(path):
+        parent_name = ".".join(path[:depth])
+        parent = model.get_submodule(parent_name)
+        after = False
+        for name, child in parent.named_children():
+            if name == step:
+                after = True
+                continue
+            if next(child.parameters(), None) is None and next(child.buffers(), None) is None:
+                continue
+            full = f"{parent_name}.{name}" if parent_name else name
+            if depth == len(path) - 1:  # siblings of the layers in the text model: embeddings, and the final norm
+                out[full] = "last" if after and not isinstance(child, VocabEmbedding) else "first"
+            else:  # outside the text model: the head, and what feeds the embeddings (a vision tower, a projector)
+                out[full] = "last" if isinstance(child, LMHead) else "first"
+    return out
+
+
+def homes(model: nn.Module, size: int) -> dict[str, set[int]]:
+    """Every parameter and persistent buffer name -> the stages that hold it (a tied one: every sharer's stage)."""
+    layers = decoder_layers(model)
+    ranges = stage_ranges(len(model.get_submodule(layers)), size)
+    stage_of = {i: s for s, r in enumerate(ranges) for i in r}
+    parts = _parts(model, layers)
+    tensors = list(model.named_parameters(remove_duplicate=False)) + \
+        [(f"{m}.{b}" if m else b, t) for m, mod in model.named_modules(remove_duplicate=False)
+         for b, t in mod._buffers.items() if t is not None and b not in mod._non_persistent_buffers_set]
+    out: dict[str, set[int]] = {}
+    for name, _ in tensors:
+        if name.startswith(layers + "."):
+            out[name] = {stage_of[int(name[len(layers) + 1:].split(".")[0])]}
+            continue
+        part = next((p for p in parts if name.startswith(p + ".")), None)
+        if part is None:
+            raise ValueError(f"{type(model).__name__}: {name} is neither in a decoder layer nor in a module beside "
+                             f"them; no pipeline stage holds it")
+        out[name] = {0} if parts[part] == "first" else {size - 1}
+    by_id: dict[int, list[str]] = {}
+    for name, t in tensors:
+        by_id.setdefault(id(t), []).append(name)
+    for names in by_id.values():  # one tensor under several names (tied): held wherever one of them is
+        shared = set().union(*(out[n] for n in names))
+        for n in names:
+            out[n] = shared
+    return out
+
+
+class _Handoff(nn.Module):
+    """Decoder layer `index` of another stage: passes the hidden states through; the one just before this stage's
+    layers receives them from the previous stage, the one just after sends them to the next."""
+
+    def __init__(self, index: int, *, recv_from: int | None = None, send_to: int | None = None):
+        super().__init__()
+        self.index, self.recv_from, self.send_to = index, recv_from, send_to
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch) -> torch.Tensor:
+        if self.send_to is not None:
+            dist.send(hidden_states.float().contiguous(), self.send_to)  # [T, H]
+        if self.recv_from is not None:
+            hidden_states = torch.empty(hidden_states.shape, dtype=torch.float32)  # [T, H]
+            dist.recv(hidden_states, self.recv_from)
+        return hidden_states
+
+
+class _Zeros(nn.Module):
+    """Another stage's embedding: zeros [T, H] (the hidden states arrive before this stage's first layer)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros(ids.shape[0], self.hidden_size)  # [T] -> [T, H]
+
+
+class _Through(nn.Module):
+    """Another stage's final norm: its input, unchanged."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return x
+
+
+class _Absent(nn.Module):
+    """A module another stage holds and this one never runs (a head, a vision tower)."""
+
+    def __init__(self, name: str, stage: int):
+        super().__init__()
+        self.name, self.stage = name, stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} is held by pipeline stage {self.stage}; this stage does not run it")
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)
+
+
+def split(model: nn.Module, source, rules: loader.Rules, stage: Stage) -> loader.Rules:
+    """Make `model` (on meta, whole) stage `stage`'s, in place; returns `rules` plus an Ignore, naming the stages
+    that read them, for every checkpoint key this stage does not read (mapped by the whole model's plan)."""
+    held = homes(model, stage.size)
+    full = loader.plan(model, source, rules)
+    stages_of: dict[str, set[int]] = {}
+    for e in full.entries:
+        stages_of.setdefault(e.key, set()).update(held[e.param])
+    others: dict[tuple[int, ...], list[str]] = {}
+    for key, stages in stages_of.items():
+        if stage.index not in stages:
+            others.setdefault(tuple(sorted(stages)), []).append(key)
+    ignores = tuple(loader.Ignore("^(?:" + "|".join(re.escape(k) for k in keys) + ")$",
+                                  f"pipeline stage {', '.join(map(str, s))} of {stage.size} reads it")
+                    for s, keys in others.items())
+    layers = decoder_layers(model)
+    mine = stage_ranges(len(model.get_submodule(layers)), stage.size)[stage.index]
+    for i in range(len(model.get_submodule(layers))):
+        if i not in mine:
+            _swap(model, f"{layers}.{i}", _Handoff(i, recv_from=stage.index - 1 if i == mine.start - 1 else None,
+                                                   send_to=stage.index + 1 if i == mine.stop else None))
+    for name, side in _parts(model, layers).items():
+        module = model.get_submodule(name)
+        keep = any(stage.index in held[f"{name}.{p}"] for p, _ in module.named_parameters(remove_duplicate=False))
+        if keep or (side == "first" and stage.index == 0) or (side == "last" and stage.last):
+            continue
+        if isinstance(module, VocabEmbedding):
+            _swap(model, name, _Zeros(module.hidden_size))
+        elif side == "last" and not isinstance(module, LMHead):
+            _swap(model, name, _Through())
+        else:
+            _swap(model, name, _Absent(name, 0 if side == "first" else stage.size - 1))
+    return rules + loader.Rules(ignores=ignores)
+
+
+@dataclass
+class StagePlans:
+    plans: list  # loader.Plan per stage
+    ranges: list[range]  # the decoder layers of each stage
+    holds: list[list[str]]  # the modules besides the decoder layers each stage reads (embeddings, a tower, head)
+    replicated: dict[str, list[int]]  # key -> the stages that read it (tied parameters)
+    problems: list  # loader.Problem: a stage that does not plan, a key no stage reads
+
+    def bytes(self, stage: int) -> int:
+        return sum(e.nbytes() for e in self.plans[stage].entries)
+
+
+def plan_stages(build, source, size: int) -> StagePlans:
+    """Every stage's plan, in this process (nothing spawned), and the proof that each checkpoint key is read by
+    exactly the stages that hold its parameter: one, or those sharing a tied one; a key that no stage reads and no
+    rule ignores is a problem. `build()` gives a fresh (whole model on meta, rules) each call."""
+    source = loader.open_source(source, strict=False)
+    plans, ranges = [], None
+    for s in range(size):
+        model, rules = build()
+        if ranges is None:
+            layers = decoder_layers(model)
+            ranges, parts = stage_ranges(len(model.get_submodule(layers)), size), list(_parts(model, layers))
+            held = homes(model, size)
+            expected: dict[str, set[int]] = {}
+            for e in loader.plan(model, source, rules).entries:
+                expected.setdefault(e.key, set()).update(held[e.param])
+        plans.append(loader.plan(model, source, split(model, source, rules, Stage(s, size))))
+    holds = [[m for m in parts if any(e.param.startswith(m + ".") for e in p.entries)] for p in plans]
+    out = StagePlans(plans, ranges, holds, {}, [q for p in plans for q in p.problems])
+    if out.problems:
+        return out
+    readers: dict[str, set[int]] = {}
+    for s, p in enumerate(plans):
+        for e in p.entries:
+            readers.setdefault(e.key, set()).add(s)
+    ignored = {k for k, _, reason in plans[0].ignored if not reason.startswith("pipeline stage")}
+    for key in source.keys():
+        got, want = readers.get(key, set()), expected.get(key, set())
+        if key in ignored:
+            continue
+        info = source.info(key)
+        if not got:
+            out.problems.append(loader.Problem("missing", key, info.file, None,
+                                               f"{key} in {info.file} is read by no pipeline stage of {size}"))
+        elif got != want:
+            out.problems.append(loader.Problem("duplicate", key, info.file, None, f"{key} in {info.file} is read by "
+                                               f"stages {sorted(got)}, expected {sorted(want)}"))
+        elif len(got) > 1:
+            out.replicated[key] = sorted(got)
+    return out
