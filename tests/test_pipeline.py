@@ -1,22 +1,92 @@
-"""Pipeline parallelism's layout (zoo/runtime/pipeline.py): every registered architecture's tiny checkpoint splits
-into stages that read exactly their tensors (`zoo inspect --pipeline-parallel-size N`'s proof), and a stage's load is
-strict."""
+"""Pipeline parallelism (zoo/runtime/pipeline.py): PP=2 generates the greedy tokens one process generates, on a dense,
+a MoE, the three hybrids (recurrent states per stage, their prefix-hit snapshots sent with the step) and both
+multimodal models (the vision tower on stage 0, images in the prompts); each stage reads only its tensors and
+`zoo inspect --pipeline-parallel-size N` proves every tensor read by exactly one stage (or the stages sharing it)
+for every registered architecture.
+
+Each PP LLM spawns one interpreter (~8 s on this 2-core machine), so each family is one case; every case runs a
+ragged batch under chunked prefill (8 tokens a step), then a prompt that extends an earlier one (a prefix hit).
+"""
 from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
 
 import pytest
 import torch
 
 import loader
+from multimodal_tiny import drawn_image, random_image
 from tiny import save_tiny
 from tiny_configs import save_arch
 from registry import get_registry
+from zoo import LLM, SamplingParams
 from zoo.build import build_model, rules_for
+from zoo.runtime.distributed import TensorParallelError
 from zoo.runtime.model_files import read_config
 from zoo.runtime.pipeline import Stage, decoder_layers, plan_stages, stage_ranges
+
+STEPS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+IDS = [[5, 17, 99, 3, 42, 8, 77, 12, 64, 31, 9, 14, 27], [11, 22, 33, 44, 55]]
+EXTENDS = IDS[0] + [61, 62, 63, 70]  # a prefix hit on IDS[0]'s blocks (block size 4)
+QWEN_IMAGE = "<|vision_start|> <|image_pad|> <|vision_end|>"
+IMAGES = [random_image(0), drawn_image(1)]
 
 
 def _llama5(path):  # 5 layers: 3 + 2 over two stages
     return save_tiny("LlamaForCausalLM", path, randomize=True, initializer_range=0.2, num_hidden_layers=5)
+
+
+def _image(text, image):
+    return {"prompt": text, "multi_modal_data": {"image": [image]}}
+
+
+LLAVA = "user : w1 <image> w2 w3 assistant :"
+QWEN = f"user : w1 {QWEN_IMAGE} w2 w3 assistant :"
+CASES = {  # name -> (checkpoint builder, the requests of the first generate, a request extending one of them)
+    "dense-llama-uneven": (_llama5, IDS, EXTENDS),
+    "moe-mixtral": (lambda p: save_arch("MixtralForCausalLM", p), IDS, EXTENDS),
+    "hybrid-mamba2": (lambda p: save_arch("Mamba2ForCausalLM", p), IDS, EXTENDS),
+    "hybrid-bamba": (lambda p: save_arch("BambaForCausalLM", p), IDS, EXTENDS),  # attention on layer 1, stage 0
+    "hybrid-jamba": (lambda p: save_arch("JambaForCausalLM", p), IDS, EXTENDS),  # Mamba1, attention, MoE per stage
+    "multimodal-llava": (lambda p: save_arch("LlavaForConditionalGeneration", p),
+                         [_image(LLAVA, IMAGES[0]), "user : w7 w8 w9 w10 assistant :"],
+                         _image(LLAVA + " w4 w5 w6 w7", IMAGES[0])),
+    "multimodal-qwen2-vl": (lambda p: save_arch("Qwen2VLForConditionalGeneration", p),  # M-RoPE positions to stage 1
+                            [_image(QWEN, IMAGES[1]), "user : w7 w8 w9 w10 assistant :"],
+                            _image(QWEN + " w4 w5 w6 w7", IMAGES[1])),
+}
+
+
+def _generate(path, requests, extends, **kw) -> tuple[list[list[int]], torch.Tensor, int]:
+    """(the greedy tokens of `requests`, then of `extends`; every sampled row's logits, in step order; the prompt
+    tokens the second generate found cached)."""
+    llm = LLM(str(path), num_blocks=64, block_size=4, max_num_batched_tokens=8, **kw)
+    rows = []
+    llm.engine.runner.logits_hook = lambda reqs, logits: rows.append(logits.clone())
+    try:
+        first = [o.token_ids for o in llm.generate(requests, GREEDY)]
+        before = llm.engine.kv.prefix_hits
+        second = [o.token_ids for o in llm.generate([extends], GREEDY)]
+        return first + second, torch.cat(rows), llm.engine.kv.prefix_hits - before
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pp2_greedy_tokens_equal_one_process(name, tmp_path):
+    build, requests, extends = CASES[name]
+    path = build(tmp_path / name)
+    one, one_logits, _ = _generate(path, requests, extends)
+    two, two_logits, hit = _generate(path, requests, extends, pipeline_parallel_size=2)
+    assert two == one, f"{name}: PP=2 {two} != PP=1 {one}"
+    # the same sums in the same order but for the fused step's kernels in one process: float32 noise only
+    torch.testing.assert_close(two_logits, one_logits, rtol=0, atol=1e-5 * one_logits.abs().max().item())
+    assert all(len(set(t)) > 1 for t in one), f"{name}: a degenerate reply proves little: {one}"
+    assert hit >= 8, f"{name}: the prompt extending an earlier one found {hit} cached tokens"
 
 
 REGISTERED = sorted(a for a, s in get_registry().specs.items() if not s.plugin.startswith("mutant-"))
@@ -73,3 +143,45 @@ def test_stage_ranges():
     assert stage_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
     with pytest.raises(ValueError, match="pipeline parallel size 3: the model has 2 decoder layers"):
         stage_ranges(2, 3)
+
+
+def test_zoo_run_and_inspect_pipeline_parallel(tmp_path, capsys):
+    """`zoo run --pipeline-parallel-size 2` prints one process's reply; more stages than layers, or PP with TP, is
+    one line and exit 2; `zoo inspect --pipeline-parallel-size 2` prints each stage's part and the proof."""
+    from test_cli_run import save_chat_model, words
+    from zoo.cli import main
+
+    path = save_chat_model(tmp_path / "chat", initializer_range=0.2)
+    argv = ["run", str(path), "--prompt", words(5), "--max-tokens", "8"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main(argv + ["--pipeline-parallel-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == one and one.strip() and "pipeline parallel over 2 stages" in err
+    assert main(argv + ["--pipeline-parallel-size", "3"]) == 2
+    assert "pipeline parallel size 3: the model has 2 decoder layers, fewer than the stages" in capsys.readouterr().err
+    assert main(argv + ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]) == 2
+    assert "not done yet" in capsys.readouterr().err
+    assert main(["inspect", str(path), "--pipeline-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0      0-0     model.embed_tokens" in out and "1      1-1     lm_head, model.norm" in out
+    assert "ok: each checkpoint tensor is read by exactly one of the 2 stages" in out
+
+
+def test_a_killed_stage_ends_the_run_naming_it(tmp_path):
+    path = _llama5(tmp_path / "m")
+    llm = LLM(str(path), num_blocks=32, block_size=4, pipeline_parallel_size=2)
+    worker, steps = llm.tp_group.workers[0], []
+
+    def kill_after_two(reqs, logits):  # mid-generation: stage 1 dies after the second step
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(worker.pid, signal.SIGKILL)
+
+    llm.engine.runner.logits_hook = kill_after_two
+    host = re.escape(socket.gethostname())
+    said = rf"pipeline parallel rank 1 \(host {host}\) was killed by signal 9; the run is over"
+    with pytest.raises(TensorParallelError, match=said):
+        llm.generate([IDS[0]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    llm.close()
+    assert len(steps) == 2 and not worker.is_alive()

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="split the model over N ranks (spawned here, gloo on the CPU; default 1, or under "
                              "torchrun its WORLD_SIZE: rank 0 prints, the other ranks serve its steps)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                        help="split the decoder layers into N contiguous stages, one process each (spawned here, or "
+                             "under torchrun its N ranks), each reading only its layers' tensors (default 1)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,15 +115,19 @@ def run(args) -> int:
         env = launched()  # torchrun: RANK / WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) in the environment
     except TensorParallelError as e:
         return _fail(str(e), 2)
+    if args.pipeline_parallel_size < 1:
+        return _fail(f"--pipeline-parallel-size {args.pipeline_parallel_size}: expected 1 or more", 2)
     if env is not None and env[0] > 0:  # this rank serves rank 0's steps; rank 0 says everything
         from zoo.runtime.distributed import run_worker
         from zoo.runtime.model_files import resolve_model
+        from zoo.runtime.pipeline import run_stage
 
         import torch
 
-        return run_worker(resolve_model(args.model).path, dtype=getattr(torch, args.dtype or "float32"))
+        serve = run_stage if args.pipeline_parallel_size > 1 else run_worker
+        return serve(resolve_model(args.model).path, dtype=getattr(torch, args.dtype or "float32"))
     if args.tensor_parallel_size is None:
-        args.tensor_parallel_size = env[1] if env is not None else 1
+        args.tensor_parallel_size = env[1] if env is not None and args.pipeline_parallel_size == 1 else 1
 
     structured = None
     if args.json_schema is not None:
@@ -162,6 +169,7 @@ def run(args) -> int:
     if prompt is not None and not prompt.strip():
         return _fail("the prompt is empty" + (" (stdin gave nothing)" if args.prompt is None else ""), 2)
     llm = _load(args, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
                 check=lambda llm: _before_weights(llm, args, template, prompt, params), device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization)
     if isinstance(llm, int):

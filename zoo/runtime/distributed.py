@@ -273,14 +273,14 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
             _set_timeout(STEP_TIMEOUT)
 
 
-def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype) -> None:
-    """A spawned rank: join, then serve until rank 0 says stop."""
+def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype, serve=None) -> None:
+    """A spawned rank: join, then serve (`serve`: another loop than _serve's) until rank 0 says stop."""
     torch.set_num_threads(1)
     roll = None
     try:
         ctl, roll = _init(rank, size, port, INIT_TIMEOUT)
         roll.beat()
-        _serve(rank, size, path, dtype, ctl)
+        (serve or _serve)(rank, size, path, dtype, ctl)
     except TensorParallelError as e:
         _leave(roll, e)  # rank 0 says it
     except Exception as e:  # noqa: BLE001 - rank 0 names this rank; the trace is for whoever reads stderr
@@ -292,9 +292,10 @@ def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype) -> N
             dist.destroy_process_group()
 
 
-def run_worker(path, *, dtype: torch.dtype = torch.float32) -> int:
+def run_worker(path, *, dtype: torch.dtype = torch.float32, serve=None) -> int:
     """A launched rank > 0 (torchrun): join the group from the environment, load this rank's slices of `path`,
-    serve rank 0's steps until it closes. Returns the exit status (0; 1 when this rank failed, said on stderr)."""
+    serve rank 0's steps until it closes (`serve`: another loop than _serve's, e.g. a pipeline stage's). Returns
+    the exit status (0; 1 when this rank failed, said on stderr)."""
     rank, size = launched() or (0, 1)
     if rank == 0:
         raise TensorParallelError("run_worker() is for ranks > 0 of a launched group; rank 0 builds the LLM")
@@ -302,7 +303,7 @@ def run_worker(path, *, dtype: torch.dtype = torch.float32) -> int:
     try:
         ctl, roll = _init(rank, size, None, INIT_TIMEOUT)
         roll.beat()
-        _serve(rank, size, str(path), dtype, ctl)
+        (serve or _serve)(rank, size, str(path), dtype, ctl)
         return 0
     except TensorParallelError as e:
         _leave(roll, e)
@@ -350,12 +351,12 @@ def _check_layout(path, size: int) -> None:
 class _Pool:
     """Spawned workers and the group they joined with rank 0."""
 
-    def __init__(self, size: int, path, dtype: torch.dtype):
+    def __init__(self, size: int, path, dtype: torch.dtype, serve=None):
         port = free_port()
         ctx = mp.get_context("spawn")
         self.size = size
-        self.workers = [ctx.Process(target=_worker, args=(r, size, port, str(path), dtype), daemon=True,
-                                    name=f"zoo-tp-rank-{r}") for r in range(1, size)]
+        self.workers = [ctx.Process(target=_worker, args=(r, size, port, str(path), dtype, serve), daemon=True,
+                                    name=f"zoo-rank-{r}") for r in range(1, size)]
         for w in self.workers:
             w.start()
         self.ctl, self.roll = None, None
@@ -404,6 +405,7 @@ def shared_workers():
 
 class TensorParallelGroup:
     """Rank 0's side: the workers (spawned, kept or launched), the group, and rank 0's model."""
+    what = "tensor parallel"  # (errors say it; zoo/runtime/pipeline.py's group says "pipeline parallel")
 
     def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32):
         global _IDLE
@@ -519,9 +521,9 @@ class TensorParallelGroup:
             [f"rank {r} {_how(c)}" for r, c in exits().items()]
         self.close(keep=False)
         if said:
-            return TensorParallelError(f"tensor parallel {'; '.join(said)}; the run is over (group of {self.size})")
+            return TensorParallelError(f"{self.what} {'; '.join(said)}; the run is over (group of {self.size})")
         first = str(error).splitlines()[0] if str(error) else ""
-        return TensorParallelError(f"tensor parallel group of {self.size}: a collective failed on rank 0 "
+        return TensorParallelError(f"{self.what} group of {self.size}: a collective failed on rank 0 "
                                    f"({type(error).__name__}: {first}); every rank still beats")
 
     def close(self, keep: bool = True) -> None:

@@ -66,7 +66,7 @@ class LLM:
                  encoder_cache_rows: int | None = None, progress: Callable[[str], None] | None = None,
                  tensor_parallel_size: int = 1, tokenizer: str | None = None, revision: str | None = None,
                  check: Callable[["LLM"], None] | None = None, gpu_memory_utilization: float = 0.9,
-                 quantization: str | None = "auto"):
+                 quantization: str | None = "auto", pipeline_parallel_size: int = 1):
         """`tokenizer`: a tokenizer directory, .gguf or hub id to use instead of the model's (vLLM's); `revision`:
         the hub id's branch, tag or commit. Everything that needs no weight is checked before a weight is read:
         the files, the config, the tokenizer, the architecture and the plugin's own validation of the config; then
@@ -77,27 +77,35 @@ class LLM:
         `zoo run` and vLLM detect a GGUF's quantization): "gguf" for a GGUF file given no `dtype`, run on the CPU by
         one process whose block types all have kernels, else None (a llama.cpp Q4_K_M file may hold Q5_0 tensors:
         it is dequantised, and `progress` says so). `dtype` None: float32 (a GGUF kept quantized: float32
-        activations); a dtype given dequantizes a GGUF to it, as `zoo run --dtype` does."""
+        activations); a dtype given dequantizes a GGUF to it, as `zoo run --dtype` does.
+        `pipeline_parallel_size=N`: the decoder layers split into N contiguous stages, stages 1.. spawned here (or
+        launched by torchrun), each reading only its tensors (zoo/runtime/pipeline.py); not with tensor parallelism."""
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
         if quantization not in (None, "gguf", "auto"):
             raise ValueError(f"quantization={quantization!r}: expected None, 'gguf' or 'auto'")
         device = check_device(device)
-        if tensor_parallel_size != 1:
+        if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: expected an int >= 1")
+        if pipeline_parallel_size > 1 and tensor_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size="
+                             f"{tensor_parallel_size}: the two together are not done yet; use one of them")
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
             from zoo.runtime.distributed import launched, run_worker
+            from zoo.runtime.pipeline import run_stage
 
             env = launched()
             if env is not None and env[0] > 0:  # torchrun: this rank serves rank 0's steps, then the process ends
-                raise SystemExit(run_worker(resolve_model(model, revision=revision).path,
-                                            dtype=_dtype(dtype or "float32")))
+                serve = run_stage if pipeline_parallel_size > 1 else run_worker
+                raise SystemExit(serve(resolve_model(model, revision=revision).path, dtype=_dtype(dtype or "float32")))
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
         source = None  # (auto: the GGUF source opened to see its block types, handed to build_model)
         if quantization == "auto":
-            quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and device.type == "cpu"
-                                      and dtype is None) else None
+            quantization = "gguf" if (self.files.is_gguf and tensor_parallel_size == 1 and pipeline_parallel_size == 1
+                                      and device.type == "cpu" and dtype is None) else None
             if quantization == "gguf":
                 source, kinds = open_quantized(self.files.path)
                 if kinds:
@@ -108,9 +116,10 @@ class LLM:
         dtype = "float32" if dtype is None else dtype
         if quantization == "gguf" and not self.files.is_gguf:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks; {self.files.name} is not a GGUF file")
-        if quantization == "gguf" and (tensor_parallel_size != 1 or _dtype(dtype) is not torch.float32
-                                       or device.type != "cpu"):
-            raise ValueError("quantization='gguf' runs on the CPU with dtype float32 and tensor_parallel_size 1")
+        if quantization == "gguf" and (tensor_parallel_size != 1 or pipeline_parallel_size != 1
+                                       or _dtype(dtype) is not torch.float32 or device.type != "cpu"):
+            raise ValueError("quantization='gguf' runs on the CPU with dtype float32, tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1")
         self.quantization = quantization
         say(f"reading config and tokenizer of {self.files.name}")
         config = load_config(self.files, light=True)  # (a GGUF's cached config: no transformers config import)
@@ -124,8 +133,17 @@ class LLM:
             check(self)
         check_max_model_len(max_model_len, self.spec, config)
         say(f"loading weights of {self.files.name}")
-        self.tp_group = None
-        if tensor_parallel_size != 1:  # ranks 1.. spawned here, each loading its slices (zoo/runtime/distributed.py)
+        self.tp_group = None  # the ranks' group: tensor parallel, or a pipeline's (attach, close, rank_stats alike)
+        if pipeline_parallel_size != 1:  # stages 1.. spawned here, each loading its layers' tensors
+            from zoo.runtime.pipeline import PipelineGroup
+
+            if str(device) != "cpu":
+                raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} runs on gloo: device must be 'cpu'")
+            self.tp_group = PipelineGroup(self.files.path, pipeline_parallel_size, dtype=_dtype(dtype))
+            group = self.tp_group
+            self.model, self.config, self.spec, self.load_report = group.model, group.config, group.spec, \
+                group.load_report
+        elif tensor_parallel_size != 1:  # ranks 1.. spawned here, each loading its slices (zoo/runtime/distributed.py)
             from zoo.runtime.distributed import TensorParallelGroup
 
             if str(device) != "cpu":

@@ -42,7 +42,9 @@ from torch import nn
 
 import loader
 from zoo.layers.embedding import LMHead, VocabEmbedding
-
+from zoo.runtime.batch import ForwardBatch
+from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, STEP_TIMEOUT, Peak, TensorParallelError,
+                                     TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, run_worker)
 
 
 @dataclass(frozen=True)
@@ -267,3 +269,169 @@ def plan_stages(build, source, size: int) -> StagePlans:
         elif len(got) > 1:
             out.replicated[key] = sorted(got)
     return out
+
+
+# -- the runtime -----------------------------------------------------------------------------------------------
+
+# the ForwardBatch fields every stage reads (the image rows are merged into the hidden states on stage 0)
+STEP_FIELDS = BATCH_FIELDS + ("state_indices", "state_indices_cpu", "has_initial_state_cpu", "mrope_positions")
+
+
+def check_stages(path, size: int) -> None:
+    """A model that cannot split into `size` stages, said (ValueError naming the model) before anything spawns."""
+    from registry import get_registry
+    from zoo.runtime.model_files import read_config
+
+    config = read_config(str(path), str(path))
+    spec = get_registry().resolve(config)
+    with torch.device("meta"):
+        model = spec.build(config)
+    try:
+        stage_ranges(len(model.get_submodule(decoder_layers(model))), size)
+    except ValueError as e:
+        raise ValueError(f"{path} ({spec.architectures[0]}): {e}") from None
+
+
+def _load_stage(path, rank: int, size: int, dtype: torch.dtype):
+    """((model, config, spec, report) of this stage, the head's vocab size); every rank learns every rank's
+    outcome, and a stage with recurrent layers behind a stage 0 without any is refused (rank 0's engine sizes the
+    state slots from its own layers)."""
+    from zoo.build import build_model
+    from zoo.runtime.state_pool import state_specs
+
+    try:
+        built = build_model(path, dtype=dtype, stage=Stage(rank, size))
+        heads = [m.weight.shape[0] for m in built[0].modules() if isinstance(m, LMHead)]
+        said = (None, bool(state_specs(built[0])), heads[0] if heads else 0)
+    except Exception as e:  # noqa: BLE001 - said by rank 0, naming this rank
+        built, said = None, (f"{type(e).__name__}: {e}", False, 0)
+    every = [None] * size
+    dist.all_gather_object(every, said)
+    bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
+    if bad:
+        raise TensorParallelError("; ".join(f"pipeline parallel rank {r} (stage {r} of {size}) could not load "
+                                            f"{path}: {e}" for r, e in bad))
+    recurrent = [r for r, (_, states, _) in enumerate(every) if states]
+    if recurrent and recurrent[0] != 0:
+        raise TensorParallelError(f"pipeline parallel size {size}: stage {recurrent[0]} of {path} holds recurrent "
+                                  f"layers and stage 0 none; the state slots are sized from stage 0's layers (not "
+                                  f"done yet: use another pipeline parallel size)")
+    return built, every[-1][2]
+
+
+def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
+    """A stage's loop (ranks > 0): load its layers' tensors, then run rank 0's steps until it says stop."""
+    from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
+    from zoo.runtime.state_pool import allocate_states, apply_copies, state_specs
+
+    peak = Peak()
+    (model, _, _, report), _ = _load_stage(path, rank, size, dtype)
+    _set_timeout(STEP_TIMEOUT)
+    caches, states, snapshots = {}, {}, {}
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=ctl)
+        step = msg[0]
+        op = step["op"]
+        if op == "stop":
+            return
+        if op == "forward":
+            apply_copies(step["copies"], states, snapshots)  # rank 0's snapshot saves / restores, in order
+            batch = ForwardBatch(kv_caches=caches, ssm_states=states, **step["batch"])
+            with torch.inference_mode():
+                hidden = model(step["input_ids"], step["positions"], batch)  # [T, H] (the last stage's: normed)
+                if rank == size - 1 and len(batch.logits_indices):
+                    logits = model.compute_logits(hidden[batch.logits_indices])  # [N, H] -> [N, V]
+                    dist.send(logits.float().contiguous(), 0)
+        elif op == "caches":
+            caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
+            specs = state_specs(model)  # this stage's recurrent layers, in rank 0's slots
+            states = allocate_states(specs, step["state_slots"]) if specs else {}
+            snapshots = allocate_states(specs, step["state_snapshots"]) if specs and step["state_snapshots"] else {}
+        elif op == "stats":
+            dist.all_gather_object([None] * size, _stats(rank, report, peak))
+
+
+class PipelineGroup(TensorParallelGroup):
+    """Rank 0's side: stage 0's model, the stages 1.. (spawned, or launched by torchrun), their group. Errors,
+    close() and rank_stats() are the tensor-parallel group's."""
+    what = "pipeline parallel"
+
+    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32):
+        if size < 2:
+            raise ValueError(f"pipeline_parallel_size={size}: a pipeline needs 2 or more stages")
+        self.size, self.closed, self.pool, self.roll = size, True, None, None
+        env = launched()
+        if env is not None and env != (0, size):
+            raise TensorParallelError(f"pipeline parallel size {size}, but the launcher started this process as rank "
+                                      f"{env[0]} of {env[1]} (RANK / WORLD_SIZE in the environment)")
+        check_stages(path, size)  # a model that cannot split is said before anything spawns
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: one parallel LLM at a time "
+                               "(close() the other first)")
+        try:
+            if env is not None:  # torchrun: every rank is already running; join them
+                self.ctl, self.roll = _init(0, size, None, INIT_TIMEOUT)
+            else:
+                self.pool = _Pool(size, path, dtype, serve=_serve_stage)
+                self.ctl, self.roll = self.pool.ctl, self.pool.roll
+            self.closed = False
+            self.peak = Peak()
+            built, self.vocab = self._guard(_load_stage, path, 0, size, dtype)
+            self.model, self.config, self.spec, self.load_report = built
+        except BaseException:
+            self.close()
+            raise
+        _set_timeout(STEP_TIMEOUT)
+        self.hooked, self.copies = False, []
+
+    def attach(self, engine) -> None:
+        """Size every stage's caches as the engine's pool (KV blocks, state slots and snapshots), send each step to
+        the stages, take the logits from the last one."""
+        runner = engine.runner
+        runner.fused = None  # stage 0's layers run as modules, between the stand-ins that pass the hidden states on
+        runner.step_path = f"module path (pipeline parallel over {self.size} stages, the step as one micro-batch)"
+        slots, snapshots = engine.kv.state_slots, engine.kv.state_snapshots
+        self._guard(self._send, {"op": "caches", "num_blocks": engine.kv.pool.num_blocks,
+                                 "block_size": runner.block_size,
+                                 "state_slots": slots.num_slots if slots is not None else 0,
+                                 "state_snapshots": snapshots.num_snapshots if snapshots is not None else 0})
+        if snapshots is not None:  # the saves / restores the runner runs on stage 0's states go to every stage
+            drain = snapshots.drain
+
+            def drained():
+                copies = drain()
+                self.copies += copies
+                return copies
+
+            snapshots.drain = drained
+        if not self.hooked:
+            self.hooked = True
+            self.model.register_forward_pre_hook(self._broadcast_step)
+
+            def compute_logits(hidden):  # [N, H] (stage 0's are not the last layer's): the last stage's [N, V]
+                logits = torch.empty(hidden.shape[0], self.vocab, dtype=torch.float32)
+                dist.recv(logits, self.size - 1)
+                return logits
+
+            self.model.compute_logits = compute_logits
+        execute = runner.execute
+
+        def guarded(*args, **kwargs):  # a failing send / recv inside the step becomes an error naming the rank
+            return self._guard(execute, *args, **kwargs)
+
+        runner.execute = guarded
+
+    def _broadcast_step(self, module, args) -> None:
+        input_ids, positions, batch = args
+        copies, self.copies = self.copies, []
+        self._send({"op": "forward", "input_ids": input_ids, "positions": positions, "copies": copies,
+                    "batch": {f: getattr(batch, f) for f in STEP_FIELDS}})
+
+    def close(self, keep: bool = True) -> None:
+        super().close(keep=False)  # (stage workers serve no tensor-parallel group: never kept for one)
+
+
+def run_stage(path, *, dtype: torch.dtype = torch.float32) -> int:
+    """A launched rank > 0 (torchrun) of a pipeline: serve its stage of `path` until rank 0 closes; the exit status."""
+    return run_worker(path, dtype=dtype, serve=_serve_stage)
