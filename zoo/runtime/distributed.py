@@ -141,12 +141,14 @@ class Roll:
 
     def leave(self, why: str, *, wait: bool = False) -> None:
         """A worker leaving on its own says why (rank 0 reads it when it names the ranks that failed). `wait`: then
-        wait until rank 0 has named them (at most STALE + STEP_TIMEOUT s): under torchrun, a rank that exits makes its
-        launcher stop every rank of its node, rank 0 too when it is one of them, before rank 0 could say who died."""
+        wait until rank 0 has named them: under torchrun, a rank that exits makes its launcher stop every rank of its
+        node, rank 0 too when it is one of them, before rank 0 could say who died. Rank 0 may see the failure only
+        when its own collective times out (STEP_TIMEOUT: a peer it was not waiting on died), then reads the beats
+        for STALE s: the wait allows twice that."""
         with contextlib.suppress(RuntimeError, dist.DistError):
             self.store.set(f"zoo/left/{self.rank}", why)
             if wait:
-                self.store.wait(["zoo/named"], datetime.timedelta(seconds=STALE + STEP_TIMEOUT))
+                self.store.wait(["zoo/named"], datetime.timedelta(seconds=2 * (STEP_TIMEOUT + STALE)))
 
     def failed(self, exits=dict) -> list[str]:
         """Rank 0, after a failed collective: what became of each worker that is gone, those that died first
@@ -318,7 +320,11 @@ def run_worker(path, *, dtype: torch.dtype = torch.float32, serve=None) -> int:
 
 
 def _leave(roll: Roll | None, error: BaseException) -> None:
-    """A failing worker's word to rank 0: the error's first line (gloo's source location cut), then wait for rank 0."""
+    """A failing worker's word to rank 0: the error's first line (gloo's source location cut), then wait for rank 0,
+    its connections to the other ranks closed first (a rank waiting on this one sees it gone at once)."""
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            dist.destroy_process_group()
     if roll is not None:
         first = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
         first = first if len(first) <= 100 else first[:99] + "…"
