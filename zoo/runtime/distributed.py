@@ -143,12 +143,12 @@ class Roll:
         """A worker leaving on its own says why (rank 0 reads it when it names the ranks that failed). `wait`: then
         wait until rank 0 has named them: under torchrun, a rank that exits makes its launcher stop every rank of its
         node, rank 0 too when it is one of them, before rank 0 could say who died. Rank 0 may see the failure only
-        when its own collective times out (STEP_TIMEOUT: a peer it was not waiting on died), then reads the beats
+        when its own collective times out (_set_timeout's: a peer it was not waiting on died), then reads the beats
         for STALE s: the wait allows twice that."""
         with contextlib.suppress(RuntimeError, dist.DistError):
             self.store.set(f"zoo/left/{self.rank}", why)
             if wait:
-                self.store.wait(["zoo/named"], datetime.timedelta(seconds=2 * (STEP_TIMEOUT + STALE)))
+                self.store.wait(["zoo/named"], datetime.timedelta(seconds=2 * (_TIMEOUT[0] + STALE)))
 
     def failed(self, exits=dict) -> list[str]:
         """Rank 0, after a failed collective: what became of each worker that is gone, those that died first
@@ -284,9 +284,9 @@ def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype, serv
         roll.beat()
         (serve or _serve)(rank, size, path, dtype, ctl)
     except TensorParallelError as e:
-        _leave(roll, e)  # rank 0 says it
+        _leave(roll, _why(e))  # rank 0 says it
     except Exception as e:  # noqa: BLE001 - rank 0 names this rank; the trace is for whoever reads stderr
-        _leave(roll, e)
+        _leave(roll, _why(e))
         traceback.print_exc()
         os._exit(1)
     finally:
@@ -301,41 +301,52 @@ def run_worker(path, *, dtype: torch.dtype = torch.float32, serve=None) -> int:
     rank, size = launched() or (0, 1)
     if rank == 0:
         raise TensorParallelError("run_worker() is for ranks > 0 of a launched group; rank 0 builds the LLM")
-    roll = None
+    roll, why = None, None
     try:
         ctl, roll = _init(rank, size, None, INIT_TIMEOUT)
         roll.beat()
         (serve or _serve)(rank, size, str(path), dtype, ctl)
-        return 0
     except TensorParallelError as e:
-        _leave(roll, e)
-        return 1  # rank 0 says it
+        why = _why(e)  # rank 0 says it
     except Exception as e:  # noqa: BLE001
-        _leave(roll, e)
         print(f"tensor parallel rank {rank} of {size}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
+        why = _why(e)
+    if why is None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        return 0
+    # (out of the handlers: the failed step's frames, which hold the groups and their connections, are gone)
+    _leave(roll, why, wait=True)
+    return 1
 
 
-def _leave(roll: Roll | None, error: BaseException) -> None:
-    """A failing worker's word to rank 0: the error's first line (gloo's source location cut), then wait for rank 0,
-    its connections to the other ranks closed first (a rank waiting on this one sees it gone at once)."""
+def _why(error: BaseException) -> str:
+    """A failing worker's word to rank 0: its error's first line (gloo's source location cut)."""
+    first = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
+    first = first if len(first) <= 100 else first[:99] + "…"
+    return f"left after its own step failed ({type(error).__name__}: {first})"
+
+
+def _leave(roll: Roll | None, why: str, *, wait: bool = False) -> None:
+    """Leave the groups (the other ranks see this one gone at once), then say why to rank 0; `wait`: until rank 0
+    has named the failure (a launched rank: Roll.leave)."""
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError, dist.DistError):
             dist.destroy_process_group()
     if roll is not None:
-        first = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
-        first = first if len(first) <= 100 else first[:99] + "…"
-        roll.leave(f"left after its own step failed ({type(error).__name__}: {first})", wait=True)
+        roll.leave(why, wait=wait)
+
+
+_TIMEOUT = [INIT_TIMEOUT]  # what _set_timeout set last (a failing worker waits for rank 0 twice that: Roll.leave)
 
 
 def _set_timeout(seconds: float) -> None:
-    """Collectives of the default group wait at most `seconds` from now on (gloo's per-operation timeout)."""
+    """Collectives of the default group wait at most `seconds` from now on (gloo's per-operation timeout;
+    ProcessGroup.set_timeout: setting the backend's options.timeout, as this did before, changes nothing once
+    the group is built, so every collective waited INIT_TIMEOUT)."""
+    _TIMEOUT[0] = seconds
     try:
-        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options.timeout = \
-            datetime.timedelta(seconds=seconds)
+        dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=seconds))
     except (AttributeError, RuntimeError):  # kept at the init timeout where torch does not expose it
         pass
 

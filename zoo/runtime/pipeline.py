@@ -43,8 +43,14 @@ from torch import nn
 import loader
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.runtime.batch import ForwardBatch
-from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, STEP_TIMEOUT, Peak, TensorParallelError,
+from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, Peak, TensorParallelError,
                                      TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, run_worker)
+
+
+# seconds a stage waits for the hidden states of the stage before it, and rank 0 for the logits: a stage runs its
+# layers while the next waits, and a prefill chunk through a large model's share of layers may take minutes on a
+# CPU (a stage that dies is seen at once, when its connection drops)
+STAGE_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
@@ -273,8 +279,9 @@ def plan_stages(build, source, size: int) -> StagePlans:
 
 # -- the runtime -----------------------------------------------------------------------------------------------
 
-# the ForwardBatch fields every stage reads (the image rows are merged into the hidden states on stage 0)
-STEP_FIELDS = BATCH_FIELDS + ("state_indices", "state_indices_cpu", "has_initial_state_cpu", "mrope_positions")
+# the ForwardBatch fields every stage reads: the tensor-parallel step's (state slots, M-RoPE positions) but the
+# image rows, merged into the hidden states on stage 0
+STEP_FIELDS = tuple(f for f in BATCH_FIELDS if f not in ("mm_positions", "mm_embeds"))
 
 
 def check_stages(path, size: int) -> None:
@@ -326,7 +333,7 @@ def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> No
 
     peak = Peak()
     (model, _, _, report), _ = _load_stage(path, rank, size, dtype)
-    _set_timeout(STEP_TIMEOUT)
+    _set_timeout(STAGE_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
     while True:
         msg = [None]
@@ -382,7 +389,7 @@ class PipelineGroup(TensorParallelGroup):
         except BaseException:
             self.close()
             raise
-        _set_timeout(STEP_TIMEOUT)
+        _set_timeout(STAGE_TIMEOUT)
         self.hooked, self.copies = False, []
 
     def attach(self, engine) -> None:
