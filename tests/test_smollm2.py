@@ -118,3 +118,19 @@ def test_int8_activations_agree_with_float32_at_top1(llm, qllm, bits):
     assert got["positions"] == len(want[0]) + 16 * 8
     bound = INT8[bits]
     assert got["top1"] >= bound["top1"] and got["kl_mean"] < bound["kl_mean"] and got["kl_max"] < bound["kl_max"], got
+
+
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=3)])
+def test_the_gguf_file_over_ranks_answers_as_one_process(llm, parallel):
+    """The default model's GGUF file (not a directory: its config is the file's metadata, on every rank) over 2
+    pipeline stages and over 3 tensor-parallel ranks (its 9 heads / 3 KV heads split 3 ways): the same greedy tokens
+    as one process. Both used to stop at 'the config cannot be read' (config.json looked for beside the file)."""
+    ids = llm.apply_chat_template([{"role": "user", "content": QUESTION}])
+    params = SamplingParams(temperature=0, max_tokens=12)
+    (want,) = llm.generate([ids], params)
+    split = LLM(dtype="float32", **parallel)
+    try:
+        (got,) = split.generate([ids], params)
+    finally:
+        split.close()
+    assert got.token_ids == want.token_ids and "Paris" in got.text, (parallel, got.text, want.text)

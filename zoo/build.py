@@ -12,7 +12,7 @@ import torch
 import loader
 from registry import PluginError, get_registry
 from zoo import kernels
-from zoo.runtime.model_files import ConfigError, read_config, validate_config
+from zoo.runtime.model_files import ConfigError, config_at, read_config, validate_config
 
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -38,7 +38,9 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     # not strict here: an index that disagrees with its shards is reported by load() with every other problem
     source = loader.open_source(path_or_source, strict=False, quantized=quantized) \
         if isinstance(path_or_source, (str, Path)) else path_or_source
-    if config is None:
+    if config is None and isinstance(path_or_source, (str, Path)) and Path(path_or_source).is_file():
+        config = config_at(path_or_source)  # a GGUF file: its metadata
+    elif config is None:
         config = read_config(str(source.directory), str(source.directory))
     else:
         validate_config(config, str(source.directory))

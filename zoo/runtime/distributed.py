@@ -354,9 +354,9 @@ def _set_timeout(seconds: float) -> None:
 def _check_layout(path, size: int) -> None:
     from registry import get_registry
     from zoo.build import tensor_parallel_model, validate_spec
-    from zoo.runtime.model_files import read_config
+    from zoo.runtime.model_files import config_at
 
-    config = read_config(str(path), str(path))
+    config = config_at(path)
     spec = get_registry().resolve(config)
     try:
         validate_spec(spec, config)  # the plugin's own refusal first, as one process gives it

@@ -465,6 +465,11 @@ def load_config(files: ModelFiles, *, light: bool = False):
     return read_config(directory, files.name, **kw)
 
 
+def config_at(path) -> object:
+    """The transformers config of a local model: a directory with config.json, or a GGUF file (its metadata)."""
+    return load_config(resolve_model(path))
+
+
 def read_config(directory, name: str, **kw):
     """transformers' config from `directory` (kw: gguf_file=), validated; ConfigError (one line, naming `name`
     and the field) for whatever transformers raises on it (its strict-dataclass validation errors, a

@@ -287,9 +287,9 @@ STEP_FIELDS = tuple(f for f in BATCH_FIELDS if f not in ("mm_positions", "mm_emb
 def check_stages(path, size: int) -> None:
     """A model that cannot split into `size` stages, said (ValueError naming the model) before anything spawns."""
     from registry import get_registry
-    from zoo.runtime.model_files import read_config
+    from zoo.runtime.model_files import config_at
 
-    config = read_config(str(path), str(path))
+    config = config_at(path)
     spec = get_registry().resolve(config)
     with torch.device("meta"):
         model = spec.build(config)
