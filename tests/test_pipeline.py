@@ -20,13 +20,15 @@ import torch
 import loader
 from multimodal_tiny import drawn_image, random_image
 from tiny import save_tiny
-from tiny_configs import save_arch
+from tiny_configs import TINY_CONFIGS, WIDE, save_arch
 from registry import get_registry
 from zoo import LLM, SamplingParams
 from zoo.build import build_model, rules_for
 from zoo.runtime.distributed import TensorParallelError
 from zoo.runtime.model_files import read_config
-from zoo.runtime.pipeline import Stage, decoder_layers, plan_stages, stage_ranges
+from zoo.runtime.pipeline import Stage, decoder_layers, micro_batches, plan_stages, stage_ranges
+from zoo.runtime.request import Request
+from zoo.runtime.scheduler import ScheduledRequest
 
 STEPS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
@@ -38,6 +40,11 @@ IMAGES = [random_image(0), drawn_image(1)]
 
 def _llama5(path):  # 5 layers: 3 + 2 over two stages
     return save_tiny("LlamaForCausalLM", path, randomize=True, initializer_range=0.2, num_hidden_layers=5)
+
+
+def _bamba_attention_first(path):  # stage 0: attention only (no recurrent state); stage 1: Mamba2 only (no KV)
+    return save_tiny("BambaForCausalLM", path, randomize=True, **{**WIDE, **TINY_CONFIGS["BambaForCausalLM"],
+                                                                  "num_hidden_layers": 4, "attn_layer_indices": [0, 1]})
 
 
 def _image(text, image):
@@ -52,6 +59,7 @@ CASES = {  # name -> (checkpoint builder, the requests of the first generate, a 
     "hybrid-mamba2": (lambda p: save_arch("Mamba2ForCausalLM", p), IDS, EXTENDS),
     "hybrid-bamba": (lambda p: save_arch("BambaForCausalLM", p), IDS, EXTENDS),  # attention on layer 1, stage 0
     "hybrid-jamba": (lambda p: save_arch("JambaForCausalLM", p), IDS, EXTENDS),  # Mamba1, attention, MoE per stage
+    "hybrid-bamba-attention-first": (_bamba_attention_first, IDS, EXTENDS),  # the state slots from stage 1's layers
     "multimodal-llava": (lambda p: save_arch("LlavaForConditionalGeneration", p),
                          [_image(LLAVA, IMAGES[0]), "user : w7 w8 w9 w10 assistant :"],
                          _image(LLAVA + " w4 w5 w6 w7", IMAGES[0])),
@@ -65,6 +73,8 @@ def _generate(path, requests, extends, **kw) -> tuple[list[list[int]], torch.Ten
     """(the greedy tokens of `requests`, then of `extends`; every sampled row's logits, in step order; the prompt
     tokens the second generate found cached)."""
     llm = LLM(str(path), num_blocks=64, block_size=4, max_num_batched_tokens=8, **kw)
+    if llm.tp_group is not None:  # every step of 2 tokens or more in 2 micro-batches (a request cut in two)
+        llm.tp_group.min_tokens = 1
     rows = []
     llm.engine.runner.logits_hook = lambda reqs, logits: rows.append(logits.clone())
     try:
@@ -143,6 +153,87 @@ def test_stage_ranges():
     assert stage_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
     with pytest.raises(ValueError, match="pipeline parallel size 3: the model has 2 decoder layers"):
         stage_ranges(2, 3)
+
+
+def test_micro_batches_cut_a_step_in_order():
+    """Every scheduled span's tokens once, in order, in micro-batches whose sizes differ by one at most; a request
+    cut in two samples in its last span only."""
+    def req(i, n):
+        return Request(f"r{i}", list(range(n)), SamplingParams(max_tokens=4))
+
+    steps = [[(9, 0, 9), (1, 5, 6)], [(1, 3, 4)] * 5, [(7, 0, 7)], [(3, 0, 5), (2, 4, 6), (6, 0, 6)]]
+    for spans in steps:  # (new tokens, computed before, prompt length)
+        scheduled = [ScheduledRequest(req(i, n), new, done) for i, (new, done, n) in enumerate(spans)]
+        total = sum(new for new, _, _ in spans)
+        for count in (1, 2, 3, 4, 16):
+            parts = micro_batches(scheduled, count)
+            sizes = [sum(s.num_new_tokens for s in p) for p in parts]
+            assert len(parts) == min(count, total) and max(sizes) - min(sizes) <= 1, (spans, count, sizes)
+            flat = [s for p in parts for s in p]
+            for s in scheduled:  # its spans: contiguous, from where it was, to where the step takes it
+                mine = [x for x in flat if x.request is s.request]
+                assert [x.num_computed_tokens for x in mine] == \
+                    [s.num_computed_tokens + sum(x.num_new_tokens for x in mine[:i]) for i in range(len(mine))]
+                assert sum(x.num_new_tokens for x in mine) == s.num_new_tokens
+                assert [x.samples for x in mine] == [False] * (len(mine) - 1) + [s.samples], (spans, count)
+            order = [x.request for i, x in enumerate(flat) if i == 0 or flat[i - 1].request is not x.request]
+            assert order == [s.request for s in scheduled]  # each request's spans together, in the step's order
+
+
+def test_micro_batches_give_one_process_logprobs(tmp_path):
+    """A step of two prompts cut into 3 micro-batches (a request's sampled row in one, its prompt-logprob rows in
+    others): the prompt logprobs, the sampled logprobs and the tokens of one process; each prefill step did run as
+    3 micro-batches."""
+    path = _llama5(tmp_path / "m")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+    def run(**kw):
+        llm = LLM(str(path), num_blocks=64, block_size=4, **kw)
+        counts, runner = [], llm.engine.runner
+        if kw:
+            llm.tp_group.micro, llm.tp_group.min_tokens = 3, 1
+            forward = runner.forward_logits
+
+            def counted(*args):
+                logits, timings = forward(*args)
+                counts.append(timings["micro_batches"])
+                return logits, timings
+
+            runner.forward_logits = counted
+        try:
+            return llm.generate(IDS, params), counts
+        finally:
+            llm.close()
+
+    one, _ = run()
+    two, counts = run(pipeline_parallel_size=2)
+    assert counts == [3, 2, 2, 2], counts  # the prompts' step, then a decode token of each request (2 tokens)
+    for a, b in zip(one, two):
+        assert b.token_ids == a.token_ids
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(b.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (x, y)
+
+
+def test_the_pools_are_sized_for_the_costliest_stage(tmp_path):
+    """Attention on the last two of four layers (stage 1's), Mamba2 on the first two (stage 0's): the KV blocks a
+    budget buys are those of stage 1's layers, the state slots those of stage 0's (each as one process sizes them)."""
+    path = save_tiny("BambaForCausalLM", tmp_path / "m", randomize=True, **{
+        **WIDE, **TINY_CONFIGS["BambaForCausalLM"], "num_hidden_layers": 4, "attn_layer_indices": [2, 3]})
+    budget = 1 << 20
+    one = LLM(str(path), kv_cache_memory=budget, max_num_seqs=4)
+    try:
+        want = (one.engine.kv.pool.num_blocks, one.engine.kv_bytes_per_token, one.engine.state_bytes_per_request)
+    finally:
+        one.close()
+    two = LLM(str(path), kv_cache_memory=budget, max_num_seqs=4, pipeline_parallel_size=2)
+    try:
+        got = (two.engine.kv.pool.num_blocks, two.engine.kv_bytes_per_token, two.engine.state_bytes_per_request)
+        assert not two.engine.runner.kv_caches and two.engine.kv.state_slots.num_slots == 4  # (stage 0's part)
+    finally:
+        two.close()
+    assert got == want and want[0] < 1000, (got, want)
 
 
 def test_zoo_run_and_inspect_pipeline_parallel(tmp_path, capsys):

@@ -157,7 +157,10 @@ class LLMEngine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  device: torch.device | str | None = None, num_state_slots: int | None = None,
                  num_state_snapshots: int | None = None, processor=None, encoder_cache_rows: int | None = None,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, pool_specs: tuple[dict, dict] | None = None):
+        """`pool_specs`: the (KV cache specs, recurrent state specs) that size the pools when other processes hold
+        other layers under this engine's block tables and slots (a pipeline's stages: each the costliest stage's, so
+        the budget holds on every stage); None: the model's own."""
         sizes = dict(num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len)
@@ -170,26 +173,26 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if device is None:
             device = next(model.parameters()).device
-        specs = cache_specs(model)
-        if torch.device(device).type == "cuda" and num_blocks is None and kv_cache_memory is None and specs:
+        specs, self.state_specs = cache_specs(model), state_specs(model)
+        pool_kv, pool_states = pool_specs or (specs, self.state_specs)
+        if torch.device(device).type == "cuda" and num_blocks is None and kv_cache_memory is None and pool_kv:
             kv_cache_memory = device_kv_budget(device, gpu_memory_utilization)  # what the fraction leaves
         # hybrid / SSM models: a recurrent state slot per running request (max_num_seqs of them by default)
-        self.state_specs = state_specs(model)
-        num_state_slots = (num_state_slots or max_num_seqs) if self.state_specs else 0
+        num_state_slots = (num_state_slots or max_num_seqs) if pool_states else 0
         # ... and, with prefix caching, as many snapshots of states at block boundaries (by default)
         num_state_snapshots = (num_state_snapshots or num_state_slots) \
-            if self.state_specs and enable_prefix_caching else 0
+            if pool_states and enable_prefix_caching else 0
         model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
         if num_blocks is None:
             wanted = -(-model_len * max_num_seqs // block_size)  # enough for every sequence at full length
             # (a model without attention layers has blocks that cost nothing: they only count tokens)
-            num_blocks = min(wanted, num_blocks_for(specs, block_size, kv_cache_memory or DEFAULT_KV_MEMORY)) \
-                if specs else wanted
+            num_blocks = min(wanted, num_blocks_for(pool_kv, block_size, kv_cache_memory or DEFAULT_KV_MEMORY)) \
+                if pool_kv else wanted
         self.max_model_len = min(model_len, num_blocks * block_size)  # a request always fits the pool alone
         dtypes = sorted({str(s.dtype) for s in specs.values()})
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching,
                                  namespace=f"{model_id}|{','.join(dtypes)}",
-                                 state_slots=StateSlots(num_state_slots) if self.state_specs else None,
+                                 state_slots=StateSlots(num_state_slots) if pool_states else None,
                                  state_snapshots=StateSnapshots(num_state_snapshots) if num_state_snapshots else None,
                                  long_rope_past=long_rope_past(model))
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=max_num_batched_tokens,
@@ -200,8 +203,8 @@ class LLMEngine:
         self.mm = MultiModal(model, processor, tokenizer=tokenizer, encoder_cache_rows=encoder_cache_rows) \
             if MultiModal.supports(model) else None
         self.runner.mm = self.mm
-        self.kv_bytes_per_token = bytes_per_token(specs)
-        self.state_bytes_per_request = bytes_per_request(self.state_specs)
+        self.kv_bytes_per_token = bytes_per_token(pool_kv)
+        self.state_bytes_per_request = bytes_per_request(pool_states)
         self.eos_token_ids = eos_token_ids(config, tokenizer, generation_config)
         self.vocab_size = vocab_size(config)  # the logits' width: token ids at or past it are refused on arrival
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

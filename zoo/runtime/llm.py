@@ -162,7 +162,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             device=device, processor=load_processor(self.files) if self.spec.family == "multimodal" else None,
-            encoder_cache_rows=encoder_cache_rows, gpu_memory_utilization=gpu_memory_utilization)
+            encoder_cache_rows=encoder_cache_rows, gpu_memory_utilization=gpu_memory_utilization,
+            pool_specs=getattr(self.tp_group, "pool_specs", None))  # (a pipeline: sized for its costliest stage)
         if self.tp_group is not None:
             self.tp_group.attach(self.engine)
         self.load_seconds = time.perf_counter() - t0

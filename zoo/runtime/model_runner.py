@@ -158,7 +158,9 @@ class ModelRunner:
     def tensors(self, step: StepLists, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """The step's (input_ids [T], positions [T], ForwardBatch) on the runner's device: the module path's input."""
         dev = self.device
-        states = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled] if self.ssm_states else []
+        # (a pipeline's stage 0 may hold no recurrent layer while later stages do: the slots are the engine's)
+        states = [kv.state_slots.slot(s.request.request_id) for s in out.scheduled] \
+            if kv.state_slots is not None else []
         # every field in one host buffer (copied to a device once)
         qsl_t, seq_t, positions_t, slots_t, tables_t, rows_t, input_ids, states_t = one_copy(
             dev, step.query_start_loc_cpu, step.seq_lens_cpu, step.positions, step.slot_mapping, step.block_tables,
@@ -177,7 +179,7 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens_cpu,
             num_tokens_cpu=step.num_tokens_cpu,
         )
-        if self.ssm_states:  # each request's state slot; it holds a state only once tokens were computed
+        if states:  # each request's state slot; it holds a state only once tokens were computed
             batch.ssm_states = self.ssm_states
             batch.state_indices_cpu = states
             batch.has_initial_state_cpu = [s.num_computed_tokens > 0 for s in out.scheduled]
@@ -260,10 +262,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], SamplerOutput | None]:
-        """The general path: the step planned, run on the fused driver or the modules, sampled by the Sampler."""
+        """The general path: the step's logits (`forward_logits`), its prompt logprobs, then the Sampler's draw."""
+        reqs = [s.request for s in out.scheduled if s.samples]
+        logits, timings = self.forward_logits(out, kv)  # [N + P, V]
+        t3 = time.perf_counter()
+        if self.prompt_targets:  # the rows after the N sampled ones: prompt tokens' logprobs
+            add_prompt_logprobs(logits[len(reqs):], self.prompt_targets)
+            logits = logits[:len(reqs)]  # [N, V]
+        if not reqs:
+            self.last_timings = dict(timings, sample=0.0)
+            return [], None
+        if self.logits_hook is not None:
+            self.logits_hook(reqs, logits)
+        sampled = self.sampler(logits, reqs)
+        self.last_timings = dict(timings, sample=time.perf_counter() - t3)
+        return reqs, sampled
+
+    def forward_logits(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor | None, dict]:
+        """The step planned and run, on the fused driver or the modules: (the logits of its sampled rows, then of its
+        prompt-logprob rows (self.prompt_targets) [N + P, V], or None when there are none; the seconds of each phase,
+        and the step's requests and tokens). A pipeline's rank 0 replaces it (zoo/runtime/pipeline.py)."""
         t0 = time.perf_counter()
         step = self.plan(out, kv)
-        reqs = [s.request for s in out.scheduled if s.samples]
         shape = dict(requests=len(out.scheduled), tokens=len(step.input_ids))
         guard = host_sync.forbid() if self.device_path and self.device.type == "cpu" else contextlib.nullcontext()
         if self.fused is not None and (self.mm is None or not self.mm.covers(out.scheduled)) and self.fused.usable():
@@ -280,18 +300,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices]) \
                     if len(batch.logits_indices) else None  # [N + P, V]
             t3 = time.perf_counter()
-        if self.prompt_targets:  # the rows after the N sampled ones: prompt tokens' logprobs
-            add_prompt_logprobs(logits[len(reqs):], self.prompt_targets)
-            logits = logits[:len(reqs)]  # [N, V]
-        if not reqs:
-            self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=0.0, **shape)
-            return [], None
-        if self.logits_hook is not None:
-            self.logits_hook(reqs, logits)
-        sampled = self.sampler(logits, reqs)
-        self.last_timings = dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, sample=time.perf_counter() - t3,
-                                 **shape)
-        return reqs, sampled
+        return logits, dict(prepare=t1 - t0, forward=t2 - t1, logits=t3 - t2, **shape)
 
 
 def add_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:

@@ -18,22 +18,26 @@ one a stage holds is held too (tied embeddings: the last stage reads embed_token
 A stage's model is the whole model with the other stages' modules swapped for parameter-free stand-ins, so the
 plugin's own forward runs unchanged: a layer of another stage passes its input through, except the one just before
 the stage's first layer, which receives the previous stage's hidden states [T, H] (dist.recv), and the one just
-after its last layer, which sends them on (dist.send); another stage's embedding gives zeros [T, H], its final norm
+after its last layer, which sends them on (dist.isend); another stage's embedding gives zeros [T, H], its final norm
 passes through, its head or vision tower raises if called. The loader reads only the stage's tensors: every other
 checkpoint key is an Ignore naming the stage that reads it, so each stage's load stays strict, and `plan_stages`
 (`zoo inspect --pipeline-parallel-size N`) proves each key read by exactly one stage, or by the stages that share it.
 
-The runtime: rank 0 (stage 0) schedules and samples. Each step it sends the step's metadata to every stage on the
-control group (as tensor parallelism does), runs its layers and sends the hidden states on; the last stage runs its
-layers, the final norm and the head on the step's logits rows and sends the logits [N, V] to rank 0. Each stage
-holds the KV cache and the recurrent states of its own layers, indexed by rank 0's block tables and state slots
-(rank 0's snapshot saves / restores are sent with the step). The step is one micro-batch: the stages run one after
-another, none overlaps the next micro-batch (no pipelining of a step's requests yet). Combining it with tensor
-parallelism is refused.
+The runtime: rank 0 (stage 0) schedules and samples. Each step is cut into micro-batches of about equal tokens
+(`micro_batches`: as many as the stages by default, none under MIN_MICRO_TOKENS tokens; a request may be cut in two,
+like a chunked prefill's chunks),
+all sent to every stage in one message on the control group. Stage 0 runs them in order, sending each one's hidden
+states on without waiting (dist.isend), so stage s runs micro-batch m while stage s - 1 runs m + 1; the last stage
+runs the final norm and the head on each micro-batch's logits rows and sends the logits [N, V] to rank 0, which
+posted its receives before the step began. A step of M micro-batches over S stages takes about (M + S - 1) / M
+stage-steps, not S: the overlap. Each stage holds the KV cache and the recurrent states of its own layers, indexed
+by rank 0's block tables and state slots (rank 0's snapshot saves / restores are sent with the step). Combining
+it with tensor parallelism is refused.
 """
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +47,7 @@ from torch import nn
 import loader
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.runtime.batch import ForwardBatch
+from zoo.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, Peak, TensorParallelError,
                                      TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, run_worker)
 
@@ -51,6 +56,10 @@ from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, Peak, TensorPar
 # layers while the next waits, and a prefill chunk through a large model's share of layers may take minutes on a
 # CPU (a stage that dies is seen at once, when its connection drops)
 STAGE_TIMEOUT = 600.0
+
+# the fewest tokens a micro-batch is cut to: below it a stage's matmuls are bound by reading its weights, which each
+# micro-batch reads again, so cutting costs more than the stages' overlap gains (bench/pipeline.py)
+MIN_MICRO_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -140,19 +149,33 @@ def homes(model: nn.Module, size: int) -> dict[str, set[int]]:
 
 class _Handoff(nn.Module):
     """Decoder layer `index` of another stage: passes the hidden states through; the one just before this stage's
-    layers receives them from the previous stage, the one just after sends them to the next."""
+    layers receives them from the previous stage, the one just after sends them to the next (without waiting: the
+    stage goes on to its next micro-batch; `wait()` at the step's end)."""
 
     def __init__(self, index: int, *, recv_from: int | None = None, send_to: int | None = None):
         super().__init__()
         self.index, self.recv_from, self.send_to = index, recv_from, send_to
+        self.sending: list = []  # (the send, its tensor): the tensor is kept alive until the send completes
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch) -> torch.Tensor:
         if self.send_to is not None:
-            dist.send(hidden_states.float().contiguous(), self.send_to)  # [T, H]
+            out = hidden_states.float().contiguous()  # [T, H]
+            self.sending.append((dist.isend(out, self.send_to), out))
         if self.recv_from is not None:
             hidden_states = torch.empty(hidden_states.shape, dtype=torch.float32)  # [T, H]
             dist.recv(hidden_states, self.recv_from)
         return hidden_states
+
+    def wait(self) -> None:
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
+
+
+def _wait_sends(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, _Handoff):
+            m.wait()
 
 
 class _Zeros(nn.Module):
@@ -284,6 +307,26 @@ def plan_stages(build, source, size: int) -> StagePlans:
 STEP_FIELDS = tuple(f for f in BATCH_FIELDS if f not in ("mm_positions", "mm_embeds"))
 
 
+def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledRequest]]:
+    """The step's spans as `count` micro-batches of about equal tokens (fewer when the step has fewer tokens), in
+    order. A request cut between two micro-batches is two spans, the first computing its tokens before the second,
+    as a chunked prefill's chunks do (every stage runs the micro-batches in order); only the second samples."""
+    total = sum(s.num_new_tokens for s in scheduled)
+    count = max(1, min(count, total))
+    ends = [total * (k + 1) // count for k in range(count)]  # each micro-batch's end in the step's tokens
+    out: list[list[ScheduledRequest]] = [[] for _ in range(count)]
+    k = filled = 0
+    for s in scheduled:
+        start, left = s.num_computed_tokens, s.num_new_tokens
+        while left:
+            if filled == ends[k]:
+                k += 1
+            take = min(left, ends[k] - filled)
+            out[k].append(ScheduledRequest(s.request, take, start))
+            start, left, filled = start + take, left - take, filled + take
+    return out
+
+
 def check_stages(path, size: int) -> None:
     """A model that cannot split into `size` stages, said (ValueError naming the model) before anything spawns."""
     from registry import get_registry
@@ -300,30 +343,27 @@ def check_stages(path, size: int) -> None:
 
 
 def _load_stage(path, rank: int, size: int, dtype: torch.dtype):
-    """((model, config, spec, report) of this stage, the head's vocab size); every rank learns every rank's
-    outcome, and a stage with recurrent layers behind a stage 0 without any is refused (rank 0's engine sizes the
-    state slots from its own layers)."""
+    """((model, config, spec, report) of this stage, the head's vocab size, the (KV cache specs, state specs) of
+    the stages that cost the most per token and per request); every rank learns every rank's outcome."""
     from zoo.build import build_model
-    from zoo.runtime.state_pool import state_specs
+    from zoo.runtime.kv_cache import bytes_per_token, cache_specs
+    from zoo.runtime.state_pool import bytes_per_request, state_specs
 
     try:
         built = build_model(path, dtype=dtype, stage=Stage(rank, size))
         heads = [m.weight.shape[0] for m in built[0].modules() if isinstance(m, LMHead)]
-        said = (None, bool(state_specs(built[0])), heads[0] if heads else 0)
+        said = (None, cache_specs(built[0]), state_specs(built[0]), heads[0] if heads else 0)
     except Exception as e:  # noqa: BLE001 - said by rank 0, naming this rank
-        built, said = None, (f"{type(e).__name__}: {e}", False, 0)
+        built, said = None, (f"{type(e).__name__}: {e}", {}, {}, 0)
     every = [None] * size
     dist.all_gather_object(every, said)
-    bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
+    bad = [(r, e) for r, (e, *_) in enumerate(every) if e is not None]
     if bad:
         raise TensorParallelError("; ".join(f"pipeline parallel rank {r} (stage {r} of {size}) could not load "
                                             f"{path}: {e}" for r, e in bad))
-    recurrent = [r for r, (_, states, _) in enumerate(every) if states]
-    if recurrent and recurrent[0] != 0:
-        raise TensorParallelError(f"pipeline parallel size {size}: stage {recurrent[0]} of {path} holds recurrent "
-                                  f"layers and stage 0 none; the state slots are sized from stage 0's layers (not "
-                                  f"done yet: use another pipeline parallel size)")
-    return built, every[-1][2]
+    kv = max((s[1] for s in every), key=bytes_per_token)  # (one stage's pool must not outgrow the budget)
+    states = max((s[2] for s in every), key=bytes_per_request)  # (and the slots exist if any stage has states)
+    return built, every[-1][3], (kv, states)
 
 
 def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
@@ -332,7 +372,7 @@ def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> No
     from zoo.runtime.state_pool import allocate_states, apply_copies, state_specs
 
     peak = Peak()
-    (model, _, _, report), _ = _load_stage(path, rank, size, dtype)
+    (model, _, _, report), _, _ = _load_stage(path, rank, size, dtype)
     _set_timeout(STAGE_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
     while True:
@@ -344,12 +384,17 @@ def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> No
             return
         if op == "forward":
             apply_copies(step["copies"], states, snapshots)  # rank 0's snapshot saves / restores, in order
-            batch = ForwardBatch(kv_caches=caches, ssm_states=states, **step["batch"])
+            sending = []
             with torch.inference_mode():
-                hidden = model(step["input_ids"], step["positions"], batch)  # [T, H] (the last stage's: normed)
-                if rank == size - 1 and len(batch.logits_indices):
-                    logits = model.compute_logits(hidden[batch.logits_indices])  # [N, H] -> [N, V]
-                    dist.send(logits.float().contiguous(), 0)
+                for micro in step["micro"]:  # in order: a request cut in two computes its first span first
+                    batch = ForwardBatch(kv_caches=caches, ssm_states=states, **micro["batch"])
+                    hidden = model(micro["input_ids"], micro["positions"], batch)  # [T, H] (the last's: normed)
+                    if rank == size - 1 and len(batch.logits_indices):
+                        logits = model.compute_logits(hidden[batch.logits_indices]).float().contiguous()  # [N, V]
+                        sending.append(dist.isend(logits, 0))
+            _wait_sends(model)
+            for work in sending:
+                work.wait()
         elif op == "caches":
             caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
             specs = state_specs(model)  # this stage's recurrent layers, in rank 0's slots
@@ -364,10 +409,15 @@ class PipelineGroup(TensorParallelGroup):
     close() and rank_stats() are the tensor-parallel group's."""
     what = "pipeline parallel"
 
-    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32):
+    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32, micro_batches: int | None = None):
         if size < 2:
             raise ValueError(f"pipeline_parallel_size={size}: a pipeline needs 2 or more stages")
+        if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
+            raise ValueError(f"micro_batches={micro_batches!r}: expected an int >= 1")
         self.size, self.closed, self.pool, self.roll = size, True, None, None
+        # a step's micro-batches: `micro`, fewer where each would have under `min_tokens` tokens (a decode step of a
+        # few requests stays whole: its stages stream their weights once, not once per micro-batch)
+        self.micro, self.min_tokens = micro_batches or size, MIN_MICRO_TOKENS
         env = launched()
         if env is not None and env != (0, size):
             raise TensorParallelError(f"pipeline parallel size {size}, but the launcher started this process as rank "
@@ -384,20 +434,21 @@ class PipelineGroup(TensorParallelGroup):
                 self.ctl, self.roll = self.pool.ctl, self.pool.roll
             self.closed = False
             self.peak = Peak()
-            built, self.vocab = self._guard(_load_stage, path, 0, size, dtype)
+            built, self.vocab, self.pool_specs = self._guard(_load_stage, path, 0, size, dtype)
             self.model, self.config, self.spec, self.load_report = built
         except BaseException:
             self.close()
             raise
         _set_timeout(STAGE_TIMEOUT)
-        self.hooked, self.copies = False, []
+        self.hooked, self.copies, self.in_step = False, [], False
 
     def attach(self, engine) -> None:
-        """Size every stage's caches as the engine's pool (KV blocks, state slots and snapshots), send each step to
-        the stages, take the logits from the last one."""
-        runner = engine.runner
+        """Size every stage's caches as the engine's pool (KV blocks, state slots and snapshots); run each step as
+        micro-batches through the stages, taking the logits from the last one."""
+        runner = self.runner = engine.runner
         runner.fused = None  # stage 0's layers run as modules, between the stand-ins that pass the hidden states on
-        runner.step_path = f"module path (pipeline parallel over {self.size} stages, the step as one micro-batch)"
+        runner.step_path = f"module path (pipeline parallel over {self.size} stages, up to {self.micro} " \
+                           f"micro-batches a step)"
         slots, snapshots = engine.kv.state_slots, engine.kv.state_snapshots
         self._guard(self._send, {"op": "caches", "num_blocks": engine.kv.pool.num_blocks,
                                  "block_size": runner.block_size,
@@ -414,26 +465,57 @@ class PipelineGroup(TensorParallelGroup):
             snapshots.drain = drained
         if not self.hooked:
             self.hooked = True
-            self.model.register_forward_pre_hook(self._broadcast_step)
-
-            def compute_logits(hidden):  # [N, H] (stage 0's are not the last layer's): the last stage's [N, V]
-                logits = torch.empty(hidden.shape[0], self.vocab, dtype=torch.float32)
-                dist.recv(logits, self.size - 1)
-                return logits
-
-            self.model.compute_logits = compute_logits
+            self.model.register_forward_pre_hook(self._outside_step)
         execute = runner.execute
 
         def guarded(*args, **kwargs):  # a failing send / recv inside the step becomes an error naming the rank
             return self._guard(execute, *args, **kwargs)
 
         runner.execute = guarded
+        runner.forward_logits = self._forward_logits
 
-    def _broadcast_step(self, module, args) -> None:
-        input_ids, positions, batch = args
+    def _forward_logits(self, out: SchedulerOutput, kv) -> tuple[torch.Tensor | None, dict]:
+        """The runner's forward_logits over the stages: the step cut into micro-batches, all sent to the stages in
+        one message; stage 0 runs each and sends its hidden states on without waiting, so stage s runs micro-batch
+        m while stage s - 1 runs m + 1; the last stage's logits for each arrive here. The logits [N + P, V] are laid
+        out as one process's (every sampled row, then every prompt-logprob row)."""
+        runner = self.runner
+        t0 = time.perf_counter()
+        parts, targets = [], []
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        for scheduled in micro_batches(out.scheduled, min(self.micro, max(1, tokens // self.min_tokens))):
+            sub = SchedulerOutput(scheduled)
+            step = runner.plan(sub, kv)  # (the first one drains the step's snapshot copies into self.copies)
+            targets += runner.prompt_targets
+            parts.append((sum(s.samples for s in scheduled), runner.tensors(step, sub, kv)))
+        runner.prompt_targets = targets
         copies, self.copies = self.copies, []
-        self._send({"op": "forward", "input_ids": input_ids, "positions": positions, "copies": copies,
-                    "batch": {f: getattr(batch, f) for f in STEP_FIELDS}})
+        self._send({"op": "forward", "copies": copies, "micro": [
+            {"input_ids": ids, "positions": pos, "batch": {f: getattr(batch, f) for f in STEP_FIELDS}}
+            for _, (ids, pos, batch) in parts]})
+        logits = [torch.empty(len(batch.logits_indices), self.vocab) for _, (_, _, batch) in parts]  # [N_m + P_m, V]
+        recvs = [dist.irecv(x, self.size - 1) for x in logits if len(x)]
+        t1 = time.perf_counter()
+        self.in_step = True
+        try:
+            with torch.inference_mode():
+                for _, (ids, pos, batch) in parts:
+                    self.model(ids, pos, batch)  # [T_m, H], sent on to stage 1 by the stand-in after stage 0's layers
+        finally:
+            self.in_step = False
+        _wait_sends(self.model)
+        for work in recvs:
+            work.wait()
+        t2 = time.perf_counter()
+        rows = [x[:n] for (n, _), x in zip(parts, logits)] + [x[n:] for (n, _), x in zip(parts, logits)]
+        return torch.cat(rows) if sum(map(len, rows)) else None, dict(
+            prepare=t1 - t0, forward=t2 - t1, logits=0.0, requests=len(out.scheduled),
+            tokens=tokens, micro_batches=len(parts))
+
+    def _outside_step(self, module, args) -> None:
+        if not self.in_step:
+            raise RuntimeError(f"stage 0 of a {self.size}-stage pipeline runs its model only inside an engine step "
+                               f"(the stages take the step's micro-batches from it); use the LLM / engine")
 
     def close(self, keep: bool = True) -> None:
         super().close(keep=False)  # (stage workers serve no tensor-parallel group: never kept for one)
