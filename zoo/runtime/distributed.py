@@ -230,23 +230,39 @@ def _stats(rank: int, report, peak: Peak) -> dict:
             "peak_bytes": peak.above_baseline()}
 
 
+def orders(ctl):
+    """A worker's messages from rank 0 on the control group, each a dict with its "op", until it says stop."""
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=ctl)
+        if msg[0]["op"] == "stop":
+            return
+        yield msg[0]
+
+
+def pools(model, order: dict) -> tuple[dict, dict, dict]:
+    """The "caches" order: this process's (KV caches, recurrent states, their snapshots) for its own layers (its
+    heads / channels, its stage's layers), as many blocks, slots and snapshots as rank 0's engine holds."""
+    from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
+    from zoo.runtime.state_pool import allocate_states, state_specs
+
+    specs = state_specs(model)
+    return (allocate_kv_caches(cache_specs(model), order["num_blocks"], order["block_size"]),
+            allocate_states(specs, order["state_slots"]) if specs else {},
+            allocate_states(specs, order["state_snapshots"]) if specs and order["state_snapshots"] else {})
+
+
 def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
     """A worker's loop: load its slices, then do what rank 0 says until it says stop."""
-    from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
-    from zoo.runtime.state_pool import allocate_states, apply_copies, state_specs
+    from zoo.runtime.state_pool import apply_copies
 
     _check_layout(path, size)  # what rank 0 did before its baseline (imports the config, registry and plugins)
     peak = Peak()
     model, _, _, report = _load(path, rank, size, dtype)
     _set_timeout(STEP_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
-    while True:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=ctl)
-        step = msg[0]
+    for step in orders(ctl):
         op = step["op"]
-        if op == "stop":
-            return
         if op == "forward":
             apply_copies(step["state_copies"], states, snapshots)  # rank 0's snapshot saves / restores, in order
             with torch.inference_mode():
@@ -260,10 +276,7 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
             with torch.inference_mode():
                 model.encode_images(step["items"])  # joins the split tower's all-reduces; rank 0 keeps the output
         elif op == "caches":
-            caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
-            specs = state_specs(model)  # this rank's heads / channels: shapes from its rank-local model
-            states = allocate_states(specs, step["state_slots"]) if specs else {}
-            snapshots = allocate_states(specs, step["state_snapshots"]) if specs and step["state_snapshots"] else {}
+            caches, states, snapshots = pools(model, step)
         elif op == "stats":
             dist.all_gather_object([None] * size, _stats(rank, report, peak))
         elif op == "release":  # a kept pool: the group that used this model closed

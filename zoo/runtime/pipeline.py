@@ -47,9 +47,10 @@ from torch import nn
 import loader
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.runtime.batch import ForwardBatch
-from zoo.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, Peak, TensorParallelError,
-                                     TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, run_worker)
+                                     TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, orders, pools,
+                                     run_worker)
+from zoo.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 
 # seconds a stage waits for the hidden states of the stage before it, and rank 0 for the logits: a stage runs its
@@ -368,20 +369,14 @@ def _load_stage(path, rank: int, size: int, dtype: torch.dtype):
 
 def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
     """A stage's loop (ranks > 0): load its layers' tensors, then run rank 0's steps until it says stop."""
-    from zoo.runtime.kv_cache import allocate_kv_caches, cache_specs
-    from zoo.runtime.state_pool import allocate_states, apply_copies, state_specs
+    from zoo.runtime.state_pool import apply_copies
 
     peak = Peak()
     (model, _, _, report), _, _ = _load_stage(path, rank, size, dtype)
     _set_timeout(STAGE_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
-    while True:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=ctl)
-        step = msg[0]
+    for step in orders(ctl):
         op = step["op"]
-        if op == "stop":
-            return
         if op == "forward":
             apply_copies(step["copies"], states, snapshots)  # rank 0's snapshot saves / restores, in order
             sending = []
@@ -396,10 +391,7 @@ def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> No
             for work in sending:
                 work.wait()
         elif op == "caches":
-            caches = allocate_kv_caches(cache_specs(model), step["num_blocks"], step["block_size"])
-            specs = state_specs(model)  # this stage's recurrent layers, in rank 0's slots
-            states = allocate_states(specs, step["state_slots"]) if specs else {}
-            snapshots = allocate_states(specs, step["state_snapshots"]) if specs and step["state_snapshots"] else {}
+            caches, states, snapshots = pools(model, step)  # this stage's layers, in rank 0's blocks and slots
         elif op == "stats":
             dist.all_gather_object([None] * size, _stats(rank, report, peak))
 
