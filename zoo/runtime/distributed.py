@@ -289,8 +289,11 @@ def _serve(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
 
 
 def _worker(rank: int, size: int, port: int, path: str, dtype: torch.dtype, serve=None) -> None:
-    """A spawned rank: join, then serve (`serve`: another loop than _serve's) until rank 0 says stop."""
-    torch.set_num_threads(1)
+    """A spawned rank: join, then serve (`serve`: another loop than _serve's) until rank 0 says stop. Its threads:
+    its share of the cores this process may run on (the ranks share one machine), OMP_NUM_THREADS where set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else max(1, cores // size))
     roll = None
     try:
         ctl, roll = _init(rank, size, port, INIT_TIMEOUT)
