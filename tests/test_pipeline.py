@@ -99,6 +99,20 @@ def test_pp2_greedy_tokens_equal_one_process(name, tmp_path):
     assert hit >= 8, f"{name}: the prompt extending an earlier one found {hit} cached tokens"
 
 
+@pytest.mark.parametrize("name", ["dense-llama-uneven", "hybrid-jamba", "multimodal-qwen2-vl"])
+def test_pp2_tp2_greedy_tokens_equal_one_process(name, tmp_path):
+    """Pipeline x tensor parallelism, 2 stages of 2 ranks (4 processes): each stage's layers split by heads and
+    width over its ranks (their all-reduces in the stage's group), the hidden states from rank to rank of the same
+    tensor-parallel part, Qwen2-VL's tower split over stage 0's ranks; one process's tokens and logits."""
+    build, requests, extends = CASES[name]
+    path = build(tmp_path / name)
+    one, one_logits, _ = _generate(path, requests, extends)
+    four, four_logits, hit = _generate(path, requests, extends, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert four == one, f"{name}: PP=2 x TP=2 {four} != PP=1 {one}"
+    torch.testing.assert_close(four_logits, one_logits, rtol=0, atol=1e-4 * one_logits.abs().max().item())
+    assert hit >= 8, f"{name}: the prompt extending an earlier one found {hit} cached tokens"
+
+
 REGISTERED = sorted(a for a, s in get_registry().specs.items() if not s.plugin.startswith("mutant-"))
 
 
@@ -251,8 +265,9 @@ def test_zoo_run_and_inspect_pipeline_parallel(tmp_path, capsys):
     assert out == one and one.strip() and "pipeline parallel over 2 stages" in err
     assert main(argv + ["--pipeline-parallel-size", "3"]) == 2
     assert "pipeline parallel size 3: the model has 2 decoder layers, fewer than the stages" in capsys.readouterr().err
-    assert main(argv + ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]) == 2
-    assert "not done yet" in capsys.readouterr().err
+    assert main(argv + ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]) == 0  # 4 processes
+    out, err = capsys.readouterr()
+    assert out == one and "pipeline parallel over 2 stages of 2 tensor-parallel ranks each" in err
     assert main(["inspect", str(path), "--pipeline-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "0      0-0     model.embed_tokens" in out and "1      1-1     lm_head, model.norm" in out

@@ -27,14 +27,13 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     talk to the other ranks swapped in: zoo/layers/parallel.py); its forward needs torch.distributed's group.
     `quantized=True`: a GGUF's block-quantised weights stay quantised (CPU, float32 for the rest; loader/quant.py).
     `stage=Stage(index, size)`: one stage of a pipeline-parallel model (its layers' tensors only, the other stages'
-    modules stand-ins that pass the hidden states on: zoo/runtime/pipeline.py).
+    modules stand-ins that pass the hidden states on: zoo/runtime/pipeline.py); with `tp`, that rank's slices of them.
     """
     if quantized and (torch.device(device).type != "cpu" or dtype is not torch.float32 or tp is not None):
         raise ValueError("a quantized GGUF runs on the CPU, with float32 activations, tensor parallel size 1 "
                          f"(got device={device}, dtype={dtype}, tp={tp}); dequantize it for the others")
-    if stage is not None and stage.size > 1 and (quantized or (tp is not None and tp.size > 1)):
-        raise ValueError(f"pipeline parallel size {stage.size} runs unquantized weights, tensor parallel size 1 "
-                         f"(got tp={tp}, quantized={quantized})")
+    if stage is not None and stage.size > 1 and quantized:
+        raise ValueError(f"pipeline parallel size {stage.size} runs unquantized weights (got quantized={quantized})")
     # not strict here: an index that disagrees with its shards is reported by load() with every other problem
     source = loader.open_source(path_or_source, strict=False, quantized=quantized) \
         if isinstance(path_or_source, (str, Path)) else path_or_source
@@ -57,7 +56,7 @@ def build_model(path_or_source, *, dtype: torch.dtype = torch.float32, device="c
     if stage is not None and stage.size > 1:
         from zoo.runtime.pipeline import split
 
-        rules = split(model, source, rules, stage)
+        rules = split(model, source, rules, stage, tp)
     # float32 / bfloat16 CPU weights are read straight into the kernels' packed layout (kernels.pack_weights, no copy)
     allocate = kernels.packed_allocator(model) if tp is None and dtype in kernels.PACKED \
         and torch.device(device).type == "cpu" else None

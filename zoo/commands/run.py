@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torchrun its WORLD_SIZE: rank 0 prints, the other ranks serve its steps)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
                         help="split the decoder layers into N contiguous stages, one process each (spawned here, or "
-                             "under torchrun its N ranks), each reading only its layers' tensors (default 1)")
+                             "under torchrun its N ranks), each reading only its layers' tensors (default 1); with "
+                             "--tensor-parallel-size T, T ranks a stage (N x T processes)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,8 +125,9 @@ def run(args) -> int:
 
         import torch
 
-        serve = run_stage if args.pipeline_parallel_size > 1 else run_worker
-        return serve(resolve_model(args.model).path, dtype=getattr(torch, args.dtype or "float32"))
+        path, dtype = resolve_model(args.model).path, getattr(torch, args.dtype or "float32")
+        return run_stage(path, dtype=dtype, tp=args.tensor_parallel_size or 1) if args.pipeline_parallel_size > 1 \
+            else run_worker(path, dtype=dtype)
     if args.tensor_parallel_size is None:
         args.tensor_parallel_size = env[1] if env is not None and args.pipeline_parallel_size == 1 else 1
 

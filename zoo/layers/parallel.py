@@ -1,4 +1,5 @@
-"""Tensor-parallel layers (Megatron-style) over torch.distributed's default group.
+"""Tensor-parallel layers (Megatron-style) over the process's tensor-parallel group (`GROUP`: torch.distributed's
+default group, or one pipeline stage's ranks under pipeline x tensor parallelism: zoo/runtime/pipeline.py).
 
 Shape legend:
     T = tokens    N = rows whose logits are wanted    H = hidden size    I_r = this rank's input features
@@ -35,6 +36,10 @@ from zoo.layers.linear import Linear, linear
 from zoo.layers.norm import LayerNorm, RMSNorm
 from zoo.layers.ssm import GatedRMSNorm
 
+# the ranks this process's tensor-parallel layers talk to: None, the default group (tensor parallelism alone); a
+# pipeline stage's ranks (set once by the stage before its first forward: one model per process)
+GROUP: dist.ProcessGroup | None = None
+
 
 def _adopt(cls, module: nn.Module, **attrs) -> nn.Module:
     """`module` as an instance of its subclass `cls`, sharing its Parameters."""
@@ -49,7 +54,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)  # [T, I_r] -> [T, O], this rank's partial sum
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=GROUP)
         return y if self.bias is None else y + self.bias
 
 
@@ -63,7 +68,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         mine = (local >= 0) & (local < self.weight.shape[0])  # [T]
         x = super().forward(torch.where(mine, local, torch.zeros_like(local)))  # [T, H]
         x = x * mine.unsqueeze(-1).to(x.dtype)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=GROUP)
         return x
 
 
@@ -74,8 +79,8 @@ class ParallelLMHead(LMHead):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         part = super().forward(hidden).contiguous()  # [N, H] -> [N, V_r]
-        parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, part)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(GROUP))]
+        dist.all_gather(parts, part, group=GROUP)
         return torch.cat(parts, dim=-1)[:, :self.full_vocab]  # [N, V]
 
 
@@ -85,7 +90,7 @@ class SummedOverRanks:
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         y = super().forward(*args, **kwargs)  # [T, H], this rank's part
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=GROUP)
         return y
 
 
@@ -97,8 +102,8 @@ class WholeWidthRMS:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         squares = xf.pow(2).sum(-1, keepdim=True)  # [T, 1], this rank's part of the width
-        dist.all_reduce(squares)  # [T, 1], summed over the ranks
-        mean = squares / (x.shape[-1] * dist.get_world_size())
+        dist.all_reduce(squares, group=GROUP)  # [T, 1], summed over the ranks
+        mean = squares / (x.shape[-1] * dist.get_world_size(GROUP))
         return self.weighted(xf * torch.rsqrt(mean + self.eps), x.dtype)  # [T, W_r]
 
 
@@ -111,9 +116,9 @@ class GroupRMSOverRanks:
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         g = self.gated(y, gate)  # [T, D_r], float32
         squares = g.pow(2).sum(-1, keepdim=True)  # [T, 1], this rank's part of the group
-        parts = [torch.empty_like(squares) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, squares)
-        first = dist.get_rank() // self.group_ranks * self.group_ranks  # the group's first rank
+        parts = [torch.empty_like(squares) for _ in range(dist.get_world_size(GROUP))]
+        dist.all_gather(parts, squares, group=GROUP)
+        first = dist.get_rank(GROUP) // self.group_ranks * self.group_ranks  # the group's first rank
         total = parts[first]
         for part in parts[first + 1:first + self.group_ranks]:
             total = total + part  # [T, 1]

@@ -79,7 +79,8 @@ class LLM:
         it is dequantised, and `progress` says so). `dtype` None: float32 (a GGUF kept quantized: float32
         activations); a dtype given dequantizes a GGUF to it, as `zoo run --dtype` does.
         `pipeline_parallel_size=N`: the decoder layers split into N contiguous stages, stages 1.. spawned here (or
-        launched by torchrun), each reading only its tensors (zoo/runtime/pipeline.py); not with tensor parallelism."""
+        launched by torchrun), each reading only its tensors (zoo/runtime/pipeline.py); with tensor_parallel_size=T
+        too, each stage is T ranks that split its layers (N x T processes)."""
         from registry import get_registry
         from zoo.build import build_model  # the model side (layers, plugins, loader) loads with the LLM
 
@@ -88,17 +89,15 @@ class LLM:
         device = check_device(device)
         if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: expected an int >= 1")
-        if pipeline_parallel_size > 1 and tensor_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size="
-                             f"{tensor_parallel_size}: the two together are not done yet; use one of them")
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
             from zoo.runtime.distributed import launched, run_worker
             from zoo.runtime.pipeline import run_stage
 
             env = launched()
             if env is not None and env[0] > 0:  # torchrun: this rank serves rank 0's steps, then the process ends
-                serve = run_stage if pipeline_parallel_size > 1 else run_worker
-                raise SystemExit(serve(resolve_model(model, revision=revision).path, dtype=_dtype(dtype or "float32")))
+                path, kind = resolve_model(model, revision=revision).path, _dtype(dtype or "float32")
+                raise SystemExit(run_stage(path, dtype=kind, tp=tensor_parallel_size) if pipeline_parallel_size > 1
+                                 else run_worker(path, dtype=kind))
         say = progress or (lambda msg: None)
         t0 = time.perf_counter()
         self.files = resolve_model(model, revision=revision)
@@ -139,7 +138,8 @@ class LLM:
 
             if str(device) != "cpu":
                 raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} runs on gloo: device must be 'cpu'")
-            self.tp_group = PipelineGroup(self.files.path, pipeline_parallel_size, dtype=_dtype(dtype))
+            self.tp_group = PipelineGroup(self.files.path, pipeline_parallel_size, dtype=_dtype(dtype),
+                                          tp=tensor_parallel_size)
             group = self.tp_group
             self.model, self.config, self.spec, self.load_report = group.model, group.config, group.spec, \
                 group.load_report

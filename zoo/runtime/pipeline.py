@@ -31,14 +31,20 @@ states on without waiting (dist.isend), so stage s runs micro-batch m while stag
 runs the final norm and the head on each micro-batch's logits rows and sends the logits [N, V] to rank 0, which
 posted its receives before the step began. A step of M micro-batches over S stages takes about (M + S - 1) / M
 stage-steps, not S: the overlap. Each stage holds the KV cache and the recurrent states of its own layers, indexed
-by rank 0's block tables and state slots (rank 0's snapshot saves / restores are sent with the step). Combining
-it with tensor parallelism is refused.
+by rank 0's block tables and state slots (rank 0's snapshot saves / restores are sent with the step).
+
+With tensor parallelism (tp ranks a stage, world = stages x tp, a stage's ranks consecutive): each rank holds its
+slices of its stage's layers (the tensor-parallel model, split as above), and its tensor-parallel layers talk within
+the stage's group (zoo.layers.parallel.GROUP). Every rank of a stage holds the whole hidden states after each layer,
+so rank (s, t) sends to (s + 1, t); the last stage's ranks gather the logits and its rank (S - 1, 0) sends them; a
+vision tower split over stage 0's ranks runs on each of them (an "encode" message, as tensor parallelism alone).
 """
 from __future__ import annotations
 
 import re
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,8 +54,8 @@ import loader
 from zoo.layers.embedding import LMHead, VocabEmbedding
 from zoo.runtime.batch import ForwardBatch
 from zoo.runtime.distributed import (BATCH_FIELDS, INIT_TIMEOUT, Peak, TensorParallelError,
-                                     TensorParallelGroup, _init, _Pool, _set_timeout, _stats, launched, orders, pools,
-                                     run_worker)
+                                     TensorParallelGroup, _check_layout, _init, _Pool, _set_timeout, _stats, launched,
+                                     orders, pools, run_worker)
 from zoo.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -65,16 +71,26 @@ MIN_MICRO_TOKENS = 32
 
 @dataclass(frozen=True)
 class Stage:
+    """Pipeline stage `index` of `size`; under pipeline x tensor parallelism, tensor-parallel rank `tp_rank` of the
+    stage's `tp_size` ranks. Global rank = index * tp_size + tp_rank: a stage's ranks are consecutive."""
     index: int
     size: int
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.index < self.size:
             raise ValueError(f"pipeline stage {self.index} of {self.size}: expected 0 <= stage < size >= 1")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tensor parallel rank {self.tp_rank} of {self.tp_size}: expected 0 <= rank < size")
 
     @property
     def last(self) -> bool:
         return self.index == self.size - 1
+
+    def rank_of(self, index: int) -> int:
+        """The global rank of stage `index`'s process that holds this process's tensor-parallel part."""
+        return index * self.tp_size + self.tp_rank
 
 
 def stage_ranges(num_layers: int, size: int) -> list[range]:
@@ -213,11 +229,13 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, new)
 
 
-def split(model: nn.Module, source, rules: loader.Rules, stage: Stage) -> loader.Rules:
-    """Make `model` (on meta, whole) stage `stage`'s, in place; returns `rules` plus an Ignore, naming the stages
-    that read them, for every checkpoint key this stage does not read (mapped by the whole model's plan)."""
+def split(model: nn.Module, source, rules: loader.Rules, stage: Stage, tp: loader.Parallel | None = None
+          ) -> loader.Rules:
+    """Make `model` (on meta, whole, or a tensor-parallel rank's `tp`) stage `stage`'s, in place; returns `rules` plus
+    an Ignore, naming the stages that read them, for every checkpoint key this stage does not read (mapped by the
+    whole model's plan)."""
     held = homes(model, stage.size)
-    full = loader.plan(model, source, rules)
+    full = loader.plan(model, source, rules, tp=tp)
     stages_of: dict[str, set[int]] = {}
     for e in full.entries:
         stages_of.setdefault(e.key, set()).update(held[e.param])
@@ -232,8 +250,9 @@ def split(model: nn.Module, source, rules: loader.Rules, stage: Stage) -> loader
     mine = stage_ranges(len(model.get_submodule(layers)), stage.size)[stage.index]
     for i in range(len(model.get_submodule(layers))):
         if i not in mine:
-            _swap(model, f"{layers}.{i}", _Handoff(i, recv_from=stage.index - 1 if i == mine.start - 1 else None,
-                                                   send_to=stage.index + 1 if i == mine.stop else None))
+            _swap(model, f"{layers}.{i}", _Handoff(
+                i, recv_from=stage.rank_of(stage.index - 1) if i == mine.start - 1 else None,
+                send_to=stage.rank_of(stage.index + 1) if i == mine.stop else None))
     for name, side in _parts(model, layers).items():
         module = model.get_submodule(name)
         keep = any(stage.index in held[f"{name}.{p}"] for p, _ in module.named_parameters(remove_duplicate=False))
@@ -343,36 +362,55 @@ def check_stages(path, size: int) -> None:
         raise ValueError(f"{path} ({spec.architectures[0]}): {e}") from None
 
 
-def _load_stage(path, rank: int, size: int, dtype: torch.dtype):
-    """((model, config, spec, report) of this stage, the head's vocab size, the (KV cache specs, state specs) of
-    the stages that cost the most per token and per request); every rank learns every rank's outcome."""
+def _stage_of(rank: int, world: int, tp: int) -> Stage:
+    """This rank's stage (a pipeline of world / tp stages of tp ranks each), after joining its stage's tensor-parallel
+    group when tp > 1 (every rank creates every stage's group, in stage order, as torch.distributed asks)."""
+    stage = Stage(rank // tp, world // tp, rank % tp, tp)
+    if tp > 1:
+        from zoo.layers import parallel
+
+        for s in range(stage.size):
+            group = dist.new_group([s * tp + t for t in range(tp)], backend="gloo")
+            if s == stage.index:
+                parallel.GROUP = group
+    return stage
+
+
+def _load_stage(path, stage: Stage, dtype: torch.dtype):
+    """((model, config, spec, report) of this rank, the logits' width, the (KV cache specs, state specs) of the
+    ranks that cost the most per token and per request); every rank learns every rank's outcome."""
     from zoo.build import build_model
+    from zoo.layers.parallel import ParallelLMHead
     from zoo.runtime.kv_cache import bytes_per_token, cache_specs
     from zoo.runtime.state_pool import bytes_per_request, state_specs
 
     try:
-        built = build_model(path, dtype=dtype, stage=Stage(rank, size))
-        heads = [m.weight.shape[0] for m in built[0].modules() if isinstance(m, LMHead)]
+        tp = loader.Parallel(stage.tp_rank, stage.tp_size) if stage.tp_size > 1 else None
+        built = build_model(path, dtype=dtype, stage=stage, tp=tp)
+        heads = [m.full_vocab if isinstance(m, ParallelLMHead) else m.weight.shape[0] for m in built[0].modules()
+                 if isinstance(m, LMHead)]
         said = (None, cache_specs(built[0]), state_specs(built[0]), heads[0] if heads else 0)
     except Exception as e:  # noqa: BLE001 - said by rank 0, naming this rank
         built, said = None, (f"{type(e).__name__}: {e}", {}, {}, 0)
-    every = [None] * size
+    every = [None] * (stage.size * stage.tp_size)
     dist.all_gather_object(every, said)
     bad = [(r, e) for r, (e, *_) in enumerate(every) if e is not None]
     if bad:
-        raise TensorParallelError("; ".join(f"pipeline parallel rank {r} (stage {r} of {size}) could not load "
-                                            f"{path}: {e}" for r, e in bad))
-    kv = max((s[1] for s in every), key=bytes_per_token)  # (one stage's pool must not outgrow the budget)
+        raise TensorParallelError("; ".join(f"pipeline parallel rank {r} (stage {r // stage.tp_size} of {stage.size}) "
+                                            f"could not load {path}: {e}" for r, e in bad))
+    kv = max((s[1] for s in every), key=bytes_per_token)  # (one rank's pool must not outgrow the budget)
     states = max((s[2] for s in every), key=bytes_per_request)  # (and the slots exist if any stage has states)
     return built, every[-1][3], (kv, states)
 
 
-def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> None:
-    """A stage's loop (ranks > 0): load its layers' tensors, then run rank 0's steps until it says stop."""
+def _serve_stage(rank: int, world: int, path: str, dtype: torch.dtype, ctl, tp: int = 1) -> None:
+    """A stage's loop (ranks > 0; `tp` ranks a stage): load its layers' tensors (its slices of them), then run rank
+    0's steps until it says stop."""
     from zoo.runtime.state_pool import apply_copies
 
+    stage = _stage_of(rank, world, tp)
     peak = Peak()
-    (model, _, _, report), _, _ = _load_stage(path, rank, size, dtype)
+    (model, _, _, report), _, _ = _load_stage(path, stage, dtype)
     _set_timeout(STAGE_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
     for step in orders(ctl):
@@ -384,49 +422,61 @@ def _serve_stage(rank: int, size: int, path: str, dtype: torch.dtype, ctl) -> No
                 for micro in step["micro"]:  # in order: a request cut in two computes its first span first
                     batch = ForwardBatch(kv_caches=caches, ssm_states=states, **micro["batch"])
                     hidden = model(micro["input_ids"], micro["positions"], batch)  # [T, H] (the last's: normed)
-                    if rank == size - 1 and len(batch.logits_indices):
+                    if stage.last and len(batch.logits_indices):
                         logits = model.compute_logits(hidden[batch.logits_indices]).float().contiguous()  # [N, V]
-                        sending.append(dist.isend(logits, 0))
+                        if stage.tp_rank == 0:  # (the stage's ranks gathered the same logits)
+                            sending.append(dist.isend(logits, 0))
             _wait_sends(model)
             for work in sending:
                 work.wait()
+        elif op == "encode" and stage.index == 0:  # a vision tower split over stage 0's ranks: join rank 0's run
+            with torch.inference_mode():
+                model.encode_images(step["items"])
         elif op == "caches":
             caches, states, snapshots = pools(model, step)  # this stage's layers, in rank 0's blocks and slots
         elif op == "stats":
-            dist.all_gather_object([None] * size, _stats(rank, report, peak))
+            dist.all_gather_object([None] * world, _stats(rank, report, peak))
 
 
 class PipelineGroup(TensorParallelGroup):
-    """Rank 0's side: stage 0's model, the stages 1.. (spawned, or launched by torchrun), their group. Errors,
-    close() and rank_stats() are the tensor-parallel group's."""
+    """Rank 0's side: stage 0's model, the other ranks (spawned, or launched by torchrun), their group; `tp` ranks a
+    stage under pipeline x tensor parallelism. Errors, close() and rank_stats() are the tensor-parallel group's."""
     what = "pipeline parallel"
 
-    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32, micro_batches: int | None = None):
+    def __init__(self, path, size: int, *, dtype: torch.dtype = torch.float32, micro_batches: int | None = None,
+                 tp: int = 1):
         if size < 2:
             raise ValueError(f"pipeline_parallel_size={size}: a pipeline needs 2 or more stages")
         if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ValueError(f"micro_batches={micro_batches!r}: expected an int >= 1")
-        self.size, self.closed, self.pool, self.roll = size, True, None, None
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: expected an int >= 1")
+        world = size * tp
+        self.size, self.closed, self.pool, self.roll = world, True, None, None  # (size: every rank, for the group)
         # a step's micro-batches: `micro`, fewer where each would have under `min_tokens` tokens (a decode step of a
         # few requests stays whole: its stages stream their weights once, not once per micro-batch)
         self.micro, self.min_tokens = micro_batches or size, MIN_MICRO_TOKENS
         env = launched()
-        if env is not None and env != (0, size):
-            raise TensorParallelError(f"pipeline parallel size {size}, but the launcher started this process as rank "
-                                      f"{env[0]} of {env[1]} (RANK / WORLD_SIZE in the environment)")
+        if env is not None and env != (0, world):
+            raise TensorParallelError(f"pipeline parallel size {size} x tensor parallel size {tp} is {world} ranks, "
+                                      f"but the launcher started this process as rank {env[0]} of {env[1]} (RANK / "
+                                      f"WORLD_SIZE in the environment)")
         check_stages(path, size)  # a model that cannot split is said before anything spawns
+        if tp > 1:
+            _check_layout(path, tp)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one parallel LLM at a time "
                                "(close() the other first)")
         try:
             if env is not None:  # torchrun: every rank is already running; join them
-                self.ctl, self.roll = _init(0, size, None, INIT_TIMEOUT)
+                self.ctl, self.roll = _init(0, world, None, INIT_TIMEOUT)
             else:
-                self.pool = _Pool(size, path, dtype, serve=_serve_stage)
+                self.pool = _Pool(world, path, dtype, serve=partial(_serve_stage, tp=tp))
                 self.ctl, self.roll = self.pool.ctl, self.pool.roll
             self.closed = False
+            self.stage = self._guard(_stage_of, 0, world, tp)
             self.peak = Peak()
-            built, self.vocab, self.pool_specs = self._guard(_load_stage, path, 0, size, dtype)
+            built, self.vocab, self.pool_specs = self._guard(_load_stage, path, self.stage, dtype)
             self.model, self.config, self.spec, self.load_report = built
         except BaseException:
             self.close()
@@ -439,7 +489,8 @@ class PipelineGroup(TensorParallelGroup):
         micro-batches through the stages, taking the logits from the last one."""
         runner = self.runner = engine.runner
         runner.fused = None  # stage 0's layers run as modules, between the stand-ins that pass the hidden states on
-        runner.step_path = f"module path (pipeline parallel over {self.size} stages, up to {self.micro} " \
+        tp = f" of {self.stage.tp_size} tensor-parallel ranks each" if self.stage.tp_size > 1 else ""
+        runner.step_path = f"module path (pipeline parallel over {self.stage.size} stages{tp}, up to {self.micro} " \
                            f"micro-batches a step)"
         slots, snapshots = engine.kv.state_slots, engine.kv.state_snapshots
         self._guard(self._send, {"op": "caches", "num_blocks": engine.kv.pool.num_blocks,
@@ -458,6 +509,14 @@ class PipelineGroup(TensorParallelGroup):
         if not self.hooked:
             self.hooked = True
             self.model.register_forward_pre_hook(self._outside_step)
+            if self.stage.tp_size > 1 and callable(getattr(self.model, "encode_images", None)):
+                encode = self.model.encode_images
+
+                def encode_images(items):  # the tower is split over stage 0's ranks: they join each run
+                    self._send({"op": "encode", "items": items})
+                    return encode(items)
+
+                self.model.encode_images = encode_images
         execute = runner.execute
 
         def guarded(*args, **kwargs):  # a failing send / recv inside the step becomes an error naming the rank
@@ -482,11 +541,13 @@ class PipelineGroup(TensorParallelGroup):
             parts.append((sum(s.samples for s in scheduled), runner.tensors(step, sub, kv)))
         runner.prompt_targets = targets
         copies, self.copies = self.copies, []
+        fields = STEP_FIELDS if self.stage.tp_size == 1 else BATCH_FIELDS  # (stage 0's other ranks merge the images)
         self._send({"op": "forward", "copies": copies, "micro": [
-            {"input_ids": ids, "positions": pos, "batch": {f: getattr(batch, f) for f in STEP_FIELDS}}
+            {"input_ids": ids, "positions": pos, "batch": {f: getattr(batch, f) for f in fields}}
             for _, (ids, pos, batch) in parts]})
         logits = [torch.empty(len(batch.logits_indices), self.vocab) for _, (_, _, batch) in parts]  # [N_m + P_m, V]
-        recvs = [dist.irecv(x, self.size - 1) for x in logits if len(x)]
+        last = self.stage.rank_of(self.stage.size - 1)
+        recvs = [dist.irecv(x, last) for x in logits if len(x)]
         t1 = time.perf_counter()
         self.in_step = True
         try:
@@ -506,13 +567,17 @@ class PipelineGroup(TensorParallelGroup):
 
     def _outside_step(self, module, args) -> None:
         if not self.in_step:
-            raise RuntimeError(f"stage 0 of a {self.size}-stage pipeline runs its model only inside an engine step "
+            raise RuntimeError(f"stage 0 of a {self.stage.size}-stage pipeline runs its model only inside an engine step "
                                f"(the stages take the step's micro-batches from it); use the LLM / engine")
 
     def close(self, keep: bool = True) -> None:
+        from zoo.layers import parallel
+
         super().close(keep=False)  # (stage workers serve no tensor-parallel group: never kept for one)
+        parallel.GROUP = None  # (its stage's group is gone with the others: a later model talks to the default one)
 
 
-def run_stage(path, *, dtype: torch.dtype = torch.float32) -> int:
-    """A launched rank > 0 (torchrun) of a pipeline: serve its stage of `path` until rank 0 closes; the exit status."""
-    return run_worker(path, dtype=dtype, serve=_serve_stage)
+def run_stage(path, *, dtype: torch.dtype = torch.float32, tp: int = 1) -> int:
+    """A launched rank > 0 (torchrun) of a pipeline (`tp` ranks a stage): serve its part of `path` until rank 0
+    closes; the exit status."""
+    return run_worker(path, dtype=dtype, serve=partial(_serve_stage, tp=tp))
