@@ -475,7 +475,7 @@ def _mixer_input_as_bfloat16(forward):
 RUNTIME_MUTANTS = {  # name -> (class, method, wrapper)
     "chunk_positions_restart": ("zoo.runtime.model_runner:ModelRunner", "plan", _chunk_restarts_at_zero),
     "sampled_wrong_row": ("zoo.runtime.model_runner:ModelRunner", "plan", _samples_second_to_last_row),
-    "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "_forward", _fused_logits_scaled),
+    "fused_logits_scaled": ("zoo.kernels.fused:FusedDecoder", "run", _fused_logits_scaled),
     "embedding_rows_as_stored": ("zoo.layers.embedding:VocabEmbedding", "forward", _embedding_rows_as_stored),
     "no_long_recompute": ("zoo.runtime.scheduler:Scheduler", "_recompute_long", _no_long_recompute),
     "mixed_decode_slot_off": ("zoo.runtime.model_runner:ModelRunner", "plan", _mixed_decode_slot_off),

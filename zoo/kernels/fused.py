@@ -1,4 +1,4 @@
-"""One native call per step for Llama-structured decoders: `zoo_llama_forward` in cpu.cpp.
+"""One native call per step for Llama-structured decoders: `zoo_llama_step` in cpu/fused.h.
 
 On the CPU a decode step of a small model spends as long in Python between kernels (module calls, views,
 residual adds, wrappers: ~60 calls per layer) as the weights take to stream; this runs the same kernels in
@@ -19,7 +19,7 @@ torch's F.linear, and the gate's sigmoid from std::exp where it has torch's, so 
 rounding, not bit for bit, and the rest after them too; the experts are cpu.cpp's moe_experts, the module path's
 kernels.moe_experts; a MoE last layer is not pruned), no softcaps, rope types whose table does not depend on the
 context length, float32 CPU weights and
-caches, or bfloat16 ones as zoo stores a bfloat16 model on the CPU (`zoo_llama_forward_bf16`: the matrices, the
+caches, or bfloat16 ones as zoo stores a bfloat16 model on the CPU (StepArgs.bf16: the matrices, the
 embedding, the head, the experts and the KV cache read as bfloat16 and widened; the norms, biases and routers
 float32, as the activations and the arithmetic: zoo.build.storage_dtypes), or block-quantised matrices with
 float32 caches (a GGUF kept quantised: each linear, the embedding and the head on the block kernels).
@@ -44,6 +44,7 @@ from zoo.layers.mlp import GatedMLP
 from zoo.layers.moe import SparseMoeBlock, StackedExperts, TopKRouter
 from zoo.layers.norm import GemmaRMSNorm, RMSNorm
 from zoo.layers.rotary import RotaryEmbedding
+from zoo.runtime.batch import StepLists
 
 # qualified names of the methods the C++ driver reproduces, all defined in _PLUGIN (checked by name: zoo does
 # not import plugins)
@@ -102,13 +103,16 @@ class _StepArgs(ctypes.Structure):
 
 class StepBuffers:
     """The fused step's arguments kept from step to step (zoo_llama_step): the model's fields set once, the step's
-    metadata in ctypes arrays that `load` fills from a StepLists and the runner may update in place (ids, pos,
-    slots, seq_lens: a decode step whose requests and blocks did not change), the logits and each row's argmax
-    written into buffers reused while they are large enough. `__call__` returns the argmax tokens and values of the
-    N rows; the logits ([N, V], `logits`) are overwritten by the next step."""
+    metadata in ctypes arrays that `load` fills from a StepLists (grown when it does not fit).
 
-    def __init__(self, fused: "FusedDecoder"):
-        m, self.fused = fused.meta, fused
+    The runner's fast step (`argmax`) may update the arrays in place (ids, pos, slots, seq_lens: a decode step whose
+    requests and blocks did not change); `__call__` returns the argmax tokens and values of the N rows, and the
+    logits ([N, V], `logits`), in a buffer reused while it is large enough, are overwritten by the next step. The
+    driver's general path (`FusedDecoder.run`, argmax=False) loads every step and has its logits written into a
+    tensor of its own (`forward(logits)`)."""
+
+    def __init__(self, fused: "FusedDecoder", *, argmax: bool = True):
+        m, self.fused, self.argmax_on = fused.meta, fused, argmax
         a = self.args = _StepArgs()
         a.embed, a.head, a.final_norm = m["embed"].data_ptr(), m["head"].data_ptr(), m["final"].data_ptr()
         a.layers, a.nl = ctypes.addressof(fused.layers), len(fused.layers)
@@ -122,9 +126,11 @@ class StepBuffers:
         self.native_s = 0.0  # seconds of the last call
         self.table_len = 0  # positions the rope tables cover
         self.tokens = self.requests = self.rows = self.blocks = 0  # the arrays' capacities (grown by load)
+        self.row_ids = (ctypes.c_int64 * 0)()  # (a step may sample no row)
 
-    def load(self, step) -> None:
-        """Take the step's metadata (a zoo.runtime.batch.StepLists), growing the arrays when it does not fit."""
+    def load(self, step, positions: list[int] | None = None) -> None:
+        """Take the step's metadata (a zoo.runtime.batch.StepLists; `positions` in place of its own: longrope's table
+        rows), growing the arrays when it does not fit."""
         t, b, n, a = len(step.input_ids), len(step.seq_lens_cpu), len(step.logits_indices), self.args
         if not (len(step.positions) == len(step.slot_mapping) == t and len(step.query_start_loc_cpu) == b + 1
                 and len(step.block_tables) == b * step.max_blocks):
@@ -144,12 +150,15 @@ class StepBuffers:
             a.qsl, a.seq_lens = ctypes.addressof(self.qsl), ctypes.addressof(self.seq_lens)
         if n > self.rows:
             self.rows = max(n, 2 * self.rows)
-            self.row_ids, self.argmax, self.values = (i64 * self.rows)(), (i64 * self.rows)(), \
-                (ctypes.c_float * self.rows)()
-            self.logits = torch.empty(self.rows, a.vocab)  # [N, V]
-            a.rows, a.argmax, a.argmax_values = (ctypes.addressof(x) for x in (self.row_ids, self.argmax, self.values))
-            a.logits = self.logits.data_ptr()
-        self.ids[:t], self.pos[:t], self.slots[:t] = step.input_ids, step.positions, step.slot_mapping
+            self.row_ids = (i64 * self.rows)()
+            a.rows = ctypes.addressof(self.row_ids)
+            if self.argmax_on:
+                self.argmax, self.values = (i64 * self.rows)(), (ctypes.c_float * self.rows)()
+                self.logits = torch.empty(self.rows, a.vocab)  # [N, V]
+                a.argmax, a.argmax_values = ctypes.addressof(self.argmax), ctypes.addressof(self.values)
+                a.logits = self.logits.data_ptr()
+        self.ids[:t], self.slots[:t] = step.input_ids, step.slot_mapping
+        self.pos[:t] = step.positions if positions is None else positions
         self.tables[:b * step.max_blocks] = step.block_tables
         self.qsl[:b + 1], self.seq_lens[:b] = step.query_start_loc_cpu, step.seq_lens_cpu
         self.row_ids[:n] = step.logits_indices
@@ -163,7 +172,7 @@ class StepBuffers:
         if length <= self.table_len and not again:
             return
         self.rope_tables = rope_tables = self.fused._tables([length])
-        if len(rope_tables) > 1:  # each layer's own table (as FusedDecoder._forward)
+        if len(rope_tables) > 1:  # each layer's own table (Gemma3: a table per rope base)
             for layer, i in zip(self.fused.layers, self.fused.meta["layer_rope"]):
                 layer.cos, layer.sin = rope_tables[i][0].data_ptr(), rope_tables[i][1].data_ptr()
         a = self.args
@@ -171,18 +180,25 @@ class StepBuffers:
         a.F = rope_tables[0][0].shape[1]
         a.table_len = self.table_len = min(c.shape[0] for c, _ in rope_tables)
 
-    def __call__(self) -> tuple[list[int], list[float]]:
-        """Run the step: the N rows' argmax tokens and their values (the logits in self.logits[:N]). native_s: the
-        seconds of the native call."""
+    def forward(self, logits: torch.Tensor | None = None) -> None:
+        """The native call on the loaded step, the logits written into `logits` [N, V] when given (the general
+        path's), else into self.logits. native_s: its seconds. A ValueError names the field it found inconsistent."""
         a = self.args
         a.nt = kernels.threads()
+        if logits is not None:
+            a.logits = logits.data_ptr()
         t = time.perf_counter()
         bad = self.call(self.address)
         self.native_s = time.perf_counter() - t
         if bad:
             raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {a.T} "
                              f"tokens and the KV cache")
-        return self.argmax[:a.N], self.values[:a.N]
+
+    def __call__(self) -> tuple[list[int], list[float]]:
+        """Run the step (argmax=True): the N rows' argmax tokens and their values (the logits in self.logits[:N])."""
+        self.forward()
+        n = self.args.N
+        return self.argmax[:n], self.values[:n]
 
 
 def _own_forwards(obj, names, plugin: str = _PLUGIN) -> bool:
@@ -242,6 +258,7 @@ class FusedDecoder:
         # whose .data is replaced drops its reference, and the count moves
         self.storages = list({p.untyped_storage().data_ptr(): p.untyped_storage() for p in params}.values())
         self.storage_ids = [st._cdata for st in self.storages]  # (kept alive by self.storages)
+        self.general = StepBuffers(self, argmax=False)  # the general path's (run): every step loaded afresh
 
     @classmethod
     def build(cls, model, kv_caches: dict[str, torch.Tensor]) -> "FusedDecoder | None":
@@ -413,36 +430,31 @@ class FusedDecoder:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """logits [N, V] of the rows batch.logits_indices, writing the step's K/V into the caches."""
-        t = input_ids.shape[0]
+        """logits [N, V] of the rows batch.logits_indices, writing the step's K/V into the caches: `run` on the
+        batch's tensors as host lists."""
         if self.long_rope is not None:
             positions = self._table_rows(positions, batch)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"fused forward: input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]")
-        ids, pos = kernels._int(input_ids, torch.int64), kernels._int(positions, torch.int64)
-        rows = kernels._int(batch.logits_indices, torch.int64)
-        qsl, seq_lens, slots, tables = kernels._metadata(batch, t, True)
-        return self._forward(t, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                             qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], rows.data_ptr(), rows.shape[0],
-                             batch.seq_lens_cpu)
+        qsl, seq_lens, slots, tables = kernels._metadata(batch, input_ids.shape[0], True)
+        b = seq_lens.shape[0]
+        step = StepLists(input_ids.tolist(), positions.tolist(), slots.tolist(), qsl.tolist(), seq_lens.tolist(),
+                         batch.num_tokens_cpu, tables[:b].flatten().tolist(), tables.shape[1],
+                         batch.logits_indices.tolist())
+        return self.run(step, step.positions)  # (the table rows already)
 
-    def run(self, step) -> torch.Tensor:
-        """The same from a zoo.runtime.batch.StepLists (the runner's step as host lists): no tensor ops."""
-        t, b = len(step.input_ids), len(step.seq_lens_cpu)
-        if not (len(step.positions) == len(step.slot_mapping) == t and len(step.query_start_loc_cpu) == b + 1
-                and len(step.block_tables) == b * step.max_blocks):
-            raise ValueError("fused forward: the step's lists do not agree in length")
-        positions = step.positions
-        if self.long_rope is not None:
-            positions = self._table_rows(torch.tensor(positions), step).tolist()
-        i64, i32 = ctypes.c_int64, ctypes.c_int32
-        arrays = [(i64 * t)(*step.input_ids), (i64 * t)(*positions), (i64 * t)(*step.slot_mapping),
-                  (i32 * len(step.block_tables))(*step.block_tables), (i32 * (b + 1))(*step.query_start_loc_cpu),
-                  (i32 * b)(*step.seq_lens_cpu), (i64 * len(step.logits_indices))(*step.logits_indices)]
-        ids, pos, slots, tables, qsl, seq_lens, rows = (ctypes.addressof(a) for a in arrays)
-        return self._forward(t, ids, pos, slots, tables, step.max_blocks, qsl, seq_lens, b, rows,
-                             len(step.logits_indices), step.seq_lens_cpu)
+    def run(self, step, positions: list[int] | None = None) -> torch.Tensor:
+        """The same from a zoo.runtime.batch.StepLists (the runner's step as host lists): no tensor ops but the
+        logits'. `positions`: the rows of the rope tables its tokens read, in place of its positions (longrope:
+        mapped here when not given)."""
+        if positions is None and self.long_rope is not None:
+            positions = self._table_rows(torch.tensor(step.positions), step).tolist()
+        self.general.load(step, positions)
+        logits = torch.empty(len(step.logits_indices), self.meta["vocab"])  # [N, V]
+        self.general.forward(logits)
+        self.native_s = self.general.native_s  # (bench/generate.py: the step's time outside it is Python)
+        return logits
 
     def _table_rows(self, positions: torch.Tensor, step) -> torch.Tensor:
         """longrope: each token's row in the short/long halves of the table (one rope: checked at the build)."""
@@ -452,31 +464,3 @@ class FusedDecoder:
         """Each rope's cos, sin tables [L, F], grown to cover the step's longest sequence."""
         num_positions = max(seq_lens) if seq_lens else 1
         return [r.table(torch.device("cpu"), torch.float32, num_positions) for r in self.meta["ropes"]]
-
-    def _forward(self, t: int, ids: int, pos: int, slots: int, tables: int, max_blocks: int, qsl: int, seq_lens: int,
-                 b: int, rows: int, n: int, seq_lens_cpu: list[int]) -> torch.Tensor:
-        """The native call on the step's metadata (addresses of int64 ids [T], positions [T], slots [T]; int32
-        tables [B, MB], query_start_loc [B + 1], seq_lens [B]; int64 rows [N]), which it checks before use."""
-        m = self.meta
-        rope_tables = self._tables(seq_lens_cpu)
-        if len(rope_tables) > 1:  # each layer's own table (they may be grown between steps)
-            for layer, i in zip(self.layers, m["layer_rope"]):
-                layer.cos, layer.sin = rope_tables[i][0].data_ptr(), rope_tables[i][1].data_ptr()
-        cos, sin = rope_tables[0]
-        table_len = min(c.shape[0] for c, _ in rope_tables)
-        logits = torch.empty(n, m["vocab"])
-        nb, bs = next(iter(self.kv_caches.values())).shape[:2]
-        lib = kernels._native()
-        forward = lib.zoo_llama_forward_bf16 if m["bf16"] else lib.zoo_llama_forward
-        start = time.perf_counter()
-        bad = forward(
-            ids, t, m["embed"].data_ptr(), m["vocab"], m["hidden"], ctypes.addressof(self.layers),
-            len(self.layers), m["heads"], m["kv_heads"], m["head_dim"], m["intermediate"], m["eps"], m["scale"],
-            pos, cos.data_ptr(), sin.data_ptr(), table_len, cos.shape[1], nb, bs, slots, tables, max_blocks, qsl,
-            seq_lens, b, m["final"].data_ptr(), rows, n, m["head"].data_ptr(), logits.data_ptr(), m["gemma"],
-            m["embed_scale"], m["act"], kernels.threads(), *(() if m["bf16"] else (m["embed_q"], m["head_q"])))
-        self.native_s = time.perf_counter() - start  # (bench/generate.py: the step's time outside it is Python)
-        if bad:
-            raise ValueError(f"fused forward: batch.{_ERRORS.get(bad, bad)} is inconsistent with the step's {t} "
-                             f"tokens and the KV cache")
-        return logits
