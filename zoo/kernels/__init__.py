@@ -74,8 +74,6 @@ _SIGNATURES = {
     "zoo_argmax": [_P, _L, _L, _L, _P, _P, _I],
     "zoo_moe_experts": [_P, _L, _L, _P, _P, _L, _P, _P, _L, _L, _I, _P, _I],
     "zoo_mla_decode": [_P, _L, _L, _P, _L, _L, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _P, _P, _P, _L, _F, _P, _I],
-    "zoo_llama_forward": [_P, _L, _P, _L, _L, _P, _L, _L, _L, _L, _L, _F, _F, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L,
-                          _P, _P, _L, _P, _P, _L, _P, _P, _I, _F, _I, _I, _P, _P],
     "zoo_qlinear": [_P, _L, _L, _P, _P, _P, _L, _I],
     "zoo_qembed": [_P, _L, _P, _P, _I],
     "zoo_set_act_bits": [_I],
@@ -90,13 +88,11 @@ _SIGNATURES = {
 _SIGNATURES["zoo_attention_bf16"] = _SIGNATURES["zoo_attention"]
 _SIGNATURES["zoo_moe_experts_bf16"] = _SIGNATURES["zoo_moe_experts"]
 _SIGNATURES["zoo_mla_decode_bf16"] = _SIGNATURES["zoo_mla_decode"]
-_SIGNATURES["zoo_llama_forward_bf16"] = _SIGNATURES["zoo_llama_forward"][:-2]  # (no quantized embed / head)
 _SIGNATURES["zoo_kernel_paths"] = []
 _SIGNATURES["zoo_llama_step"] = [_P]  # (a StepArgs, zoo/kernels/fused.py)
 _RESTYPES = {"zoo_kernel_paths": ctypes.c_char_p,
              "zoo_set_act_bits": ctypes.c_int, "zoo_rope": ctypes.c_long, "zoo_attention": ctypes.c_int,
-             "zoo_llama_forward": ctypes.c_int, "zoo_mla_decode": ctypes.c_int,
-             "zoo_attention_bf16": ctypes.c_int, "zoo_llama_forward_bf16": ctypes.c_int,
+             "zoo_mla_decode": ctypes.c_int, "zoo_attention_bf16": ctypes.c_int,
              "zoo_mla_decode_bf16": ctypes.c_int, "zoo_llama_step": ctypes.c_int}
 _BATCH_FIELDS = {1: "query_start_loc", 2: "seq_lens", 3: "slot_mapping", 4: "block_tables"}
 

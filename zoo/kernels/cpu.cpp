@@ -24,7 +24,7 @@
 //     attention.h  multi-head latent attention's decode, causal attention over the paged cache
 //     ssm.h        Mamba2 / SSD and Mamba1 mixers
 //     sampling.h   greedy argmax over logits rows
-//     fused.h      zoo_llama_forward, a whole decoder step made of the kernels above (zoo/kernels/fused.py)
+//     fused.h      zoo_llama_step, a whole decoder step made of the kernels above (zoo/kernels/fused.py)
 #include "cpu/common.h"
 #include "cpu/linear.h"
 #include "cpu/quant.h"

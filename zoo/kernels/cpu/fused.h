@@ -1,4 +1,4 @@
-// zoo/kernels/cpu/fused.h: zoo_llama_forward (zoo_llama_step: its arguments in one struct): a whole decoder step of a
+// zoo/kernels/cpu/fused.h: zoo_llama_step (its arguments in one struct, StepArgs): a whole decoder step of a
 // Llama-structured model, made of the kernels above. Built as one unit by ../cpu.cpp, which includes every family in
 // order; the includes below name what this one reads (zoo_argmax: sampling.h).
 #pragma once
@@ -107,19 +107,40 @@ static void add_normed(float* res, const float* h, float* scratch, long R, long 
     for (long i = 0; i < R * Hd; i++) res[i] = res[i] + h[i];
 }
 
+// the step's arguments: the model's fields, which the runner sets once (zoo/kernels/fused.py's StepBuffers), and the
+// step's metadata arrays, which it updates in place (one argument to convert per call: after a decode step has
+// streamed the weights through the caches, each converted ctypes argument costs misses), plus each sampled row's
+// argmax, read from the logits while the head's threads still hold them
+struct StepArgs {
+    const int64_t *ids, *pos, *slots, *rows;
+    const int32_t *tables, *qsl, *seq_lens;
+    long T, B, N, max_blocks;
+    const float *cos, *sin;
+    long table_len, F;
+    const void *embed, *head;  // float or bf16 (bf16 != 0)
+    const void* layers;        // LayerWeights or LayerWeightsT<bf16, bf16>
+    const QMat *embed_q, *head_q;
+    const float* final_norm;
+    long vocab, Hd, nl, H, KV, D, I, nb, bs;
+    float eps, scale, embed_scale;
+    int gemma, act, nt, bf16;
+    float* logits;           // [N, vocab]
+    int64_t* argmax;         // [N] or null: each row's zoo_argmax index ...
+    float* argmax_values;    // [N] ... and its value (the sampler checks it is finite)
+};
+
 template <typename W, typename C>
-static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab, long Hd,
-                         const LayerWeightsT<W, C>* layers, long nl, long H, long KV, long D, long I, float eps,
-                         float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
-                         long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
-                         long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
-                         const float* final_norm, const int64_t* rows, long N, const W* head,
-                         float* logits, int gemma, float embed_scale, int act, int nt, const QMat* embed_q,
-                         const QMat* head_q) {
+static int llama_forward(const StepArgs& s) {
+    const int64_t *ids = s.ids, *pos = s.pos, *rows = s.rows;
+    const long T = s.T, N = s.N, vocab = s.vocab, Hd = s.Hd, nl = s.nl, H = s.H, KV = s.KV, D = s.D, I = s.I;
+    const float eps = s.eps;
+    const int gemma = s.gemma, act = s.act, nt = s.nt;
+    const LayerWeightsT<W, C>* layers = (const LayerWeightsT<W, C>*)s.layers;
+    const QMat *embed_q = s.embed_q, *head_q = s.head_q;
     for (long t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return 5;
     for (long t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= table_len) return 2;
+        if (pos[t] < 0 || pos[t] >= s.table_len) return 2;
     for (long i = 0; i < N; i++)
         if (rows[i] < 0 || rows[i] >= T) return 6;
     // scratch kept between steps up to 64M floats (a 2048-token step of SmolLM2 takes 18M): fresh memory
@@ -146,9 +167,9 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     float* keep_hid = keep_att + N * H * D;  // [N, Hd] and their residual stream
     for (long t = 0; t < T; t++) {
         if (embed_q) qmat_row(*embed_q, ids[t], hidden + t * Hd);
-        else widen(embed + ids[t] * Hd, Hd, hidden + t * Hd);
-        if (embed_scale != 0.0f)  // Gemma: rows times sqrt(Hd)
-            for (long d = 0; d < Hd; d++) hidden[t * Hd + d] = hidden[t * Hd + d] * embed_scale;
+        else widen((const W*)s.embed + ids[t] * Hd, Hd, hidden + t * Hd);
+        if (s.embed_scale != 0.0f)  // Gemma: rows times sqrt(Hd)
+            for (long d = 0; d < Hd; d++) hidden[t * Hd + d] = hidden[t * Hd + d] * s.embed_scale;
     }
     bool pruned = false;  // past the last layer's attention, only the sampled rows (in keep_*)
     for (long l = 0; l < nl; l++) {
@@ -162,10 +183,11 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
             heads_norm(qkv + H * D, T, KV, nqkv, D, w.k_norm, eps, gemma, kn, nt);
             q = qn, k = kn, q_st = H * D, k_st = KV * D;
         }
-        zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, w.cos ? w.cos : cos, w.sin ? w.sin : sin,
-                 table_len, F, nt);
+        zoo_rope(q, q_st, D, H, qr, k, k_st, D, KV, kr, T, D, pos, w.cos ? w.cos : s.cos, w.sin ? w.sin : s.sin,
+                 s.table_len, s.F, nt);
         int bad = attention(qr, H * D, D, kr, KV * D, D, qkv + (H + KV) * D, nqkv, D, att, T, H, KV, D, w.cache,
-                            nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, scale, w.window, 0.0f, nt);
+                            s.nb, s.bs, s.slots, s.tables, s.max_blocks, s.qsl, s.seq_lens, s.B, s.scale, w.window,
+                            0.0f, nt);
         if (bad) return bad;
         float *a_in = att, *res = hidden;  // the rows that go on: all, or after the last attention the sampled
         long R = T;
@@ -189,72 +211,15 @@ static int llama_forward(const int64_t* ids, long T, const W* embed, long vocab,
     }
     for (long r = 0; r < N; r++)
         memcpy(x + r * Hd, pruned ? keep_hid + r * Hd : hidden + rows[r] * Hd, Hd * sizeof(float));
-    zoo_rms_norm(x, N, Hd, Hd, final_norm, eps, gemma, last, nt);
-    any_linear(last, N, Hd, head, head_q, vocab, Hd, nullptr, logits, vocab, nt, N);
+    zoo_rms_norm(x, N, Hd, Hd, s.final_norm, eps, gemma, last, nt);
+    any_linear(last, N, Hd, (const W*)s.head, head_q, vocab, Hd, nullptr, s.logits, vocab, nt, N);
     return 0;
 }
 
-extern "C" int zoo_llama_forward(const int64_t* ids, long T, const float* embed, long vocab, long Hd,
-                                 const LayerWeights* layers, long nl, long H, long KV, long D, long I, float eps,
-                                 float scale, const int64_t* pos, const float* cos, const float* sin, long table_len,
-                                 long F, long nb, long bs, const int64_t* slots, const int32_t* tables,
-                                 long max_blocks, const int32_t* qsl, const int32_t* seq_lens, long B,
-                                 const float* final_norm, const int64_t* rows, long N, const float* head,
-                                 float* logits, int gemma, float embed_scale, int act, int nt, const QMat* embed_q,
-                                 const QMat* head_q) {
-    return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
-                         nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
-                         embed_scale, act, nt, embed_q, head_q);
-}
-
-// a bfloat16 model: bfloat16 matrices, embedding, head and KV cache; float32 activations and arithmetic
-extern "C" int zoo_llama_forward_bf16(const int64_t* ids, long T, const bf16* embed, long vocab, long Hd,
-                                      const LayerWeightsT<bf16, bf16>* layers, long nl, long H, long KV, long D,
-                                      long I, float eps, float scale, const int64_t* pos, const float* cos,
-                                      const float* sin, long table_len, long F, long nb, long bs,
-                                      const int64_t* slots, const int32_t* tables, long max_blocks,
-                                      const int32_t* qsl, const int32_t* seq_lens, long B, const float* final_norm,
-                                      const int64_t* rows, long N, const bf16* head, float* logits, int gemma,
-                                      float embed_scale, int act, int nt) {
-    return llama_forward(ids, T, embed, vocab, Hd, layers, nl, H, KV, D, I, eps, scale, pos, cos, sin, table_len, F,
-                         nb, bs, slots, tables, max_blocks, qsl, seq_lens, B, final_norm, rows, N, head, logits, gemma,
-                         embed_scale, act, nt, nullptr, nullptr);
-}
-
-// zoo_llama_step: zoo_llama_forward's arguments in one struct that the runner keeps across steps (its model fields
-// set once, the step's metadata arrays updated in place), plus each sampled row's argmax: one argument to convert
-// per step instead of 37 (after a decode step has streamed the weights through the caches, each converted
-// argument costs misses), and the greedy token read from the logits while the head's threads still hold them.
-struct StepArgs {
-    const int64_t *ids, *pos, *slots, *rows;
-    const int32_t *tables, *qsl, *seq_lens;
-    long T, B, N, max_blocks;
-    const float *cos, *sin;
-    long table_len, F;
-    const void *embed, *head;  // float or bf16 (bf16 != 0)
-    const void* layers;        // LayerWeights or LayerWeightsT<bf16, bf16>
-    const QMat *embed_q, *head_q;
-    const float* final_norm;
-    long vocab, Hd, nl, H, KV, D, I, nb, bs;
-    float eps, scale, embed_scale;
-    int gemma, act, nt, bf16;
-    float* logits;           // [N, vocab]
-    int64_t* argmax;         // [N] or null: each row's zoo_argmax index ...
-    float* argmax_values;    // [N] ... and its value (the sampler checks it is finite)
-};
-
+// a float32 model (its matrices float32 or block-quantised), or a bfloat16 one: bfloat16 matrices, embedding, head and
+// KV cache; float32 activations and arithmetic (no block-quantised embedding or head)
 extern "C" int zoo_llama_step(const StepArgs* a) {
-    int bad = a->bf16
-        ? llama_forward(a->ids, a->T, (const bf16*)a->embed, a->vocab, a->Hd,
-                        (const LayerWeightsT<bf16, bf16>*)a->layers, a->nl, a->H, a->KV, a->D, a->I, a->eps, a->scale,
-                        a->pos, a->cos, a->sin, a->table_len, a->F, a->nb, a->bs, a->slots, a->tables, a->max_blocks,
-                        a->qsl, a->seq_lens, a->B, a->final_norm, a->rows, a->N, (const bf16*)a->head, a->logits,
-                        a->gemma, a->embed_scale, a->act, a->nt, nullptr, nullptr)
-        : llama_forward(a->ids, a->T, (const float*)a->embed, a->vocab, a->Hd, (const LayerWeights*)a->layers, a->nl,
-                        a->H, a->KV, a->D, a->I, a->eps, a->scale, a->pos, a->cos, a->sin, a->table_len, a->F, a->nb,
-                        a->bs, a->slots, a->tables, a->max_blocks, a->qsl, a->seq_lens, a->B, a->final_norm, a->rows,
-                        a->N, (const float*)a->head, a->logits, a->gemma, a->embed_scale, a->act, a->nt, a->embed_q,
-                        a->head_q);
+    int bad = a->bf16 ? llama_forward<bf16, bf16>(*a) : llama_forward<float, float>(*a);
     if (!bad && a->argmax) zoo_argmax(a->logits, a->N, a->vocab, a->vocab, a->argmax, a->argmax_values, a->nt);
     return bad;
 }
