@@ -272,6 +272,15 @@ def test_zoo_run_and_inspect_pipeline_parallel(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0      0-0     model.embed_tokens" in out and "1      1-1     lm_head, model.norm" in out
     assert "ok: each checkpoint tensor is read by exactly one of the 2 stages" in out
+    assert main(["inspect", str(path), "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    ranks = re.findall(r"^([01])\s+([01])\s+(\d+)\s+([\d.]+)\s+", out, re.M)  # stage, rank, tensors, MB read
+    stages = re.findall(r"^([01])\s+\d+-\d+\s+.*?\s(\d+)\s+([\d.]+)\s+[\d.]+$", out, re.M)
+    assert len(ranks) == 4 and len(stages) == 2, out
+    for s, _, mb in stages:  # each stage's bytes split over its two ranks (the replicated norms twice)
+        mine = [float(r[3]) for r in ranks if r[0] == s]
+        assert 0.5 * float(mb) <= mine[0] <= 0.6 * float(mb) and mine[0] == mine[1], (s, mb, mine)
+    assert "ok: within each stage, its 2 ranks' slices cover every element of the tensors it reads exactly once" in out
 
 
 def test_a_killed_stage_ends_the_run_naming_it(tmp_path):

@@ -1,12 +1,13 @@
 """Show the loader's plan for a checkpoint, from headers only: what maps where, and every problem.
 
     zoo inspect DIR | HUB_ID | FILE.gguf [--transformers] [--all]
-                [--tensor-parallel-size N | --pipeline-parallel-size N]
+                [--tensor-parallel-size N] [--pipeline-parallel-size N]
 
 With --tensor-parallel-size N, every rank's plan is computed here (no rank is spawned): the bytes each rank
 reads, and the proof that the ranks' slices cover every element of every tensor exactly once. With
 --pipeline-parallel-size N, every stage's: its decoder layers, the modules besides them it reads, its bytes, and the
-proof that each tensor is read by exactly one stage (or by the stages sharing a tied parameter).
+proof that each tensor is read by exactly one stage (or by the stages sharing a tied parameter); with both, also
+every stage's ranks' bytes and the proof that their slices cover the stage's tensors exactly once.
 
 Exit status: 0 the checkpoint fits the model, 1 problems found, 2 the checkpoint or model cannot be read.
 """
@@ -48,9 +49,8 @@ def run(args) -> int:
             raise ValueError("--tensor-parallel-size plans the zoo's model; it cannot go with --transformers")
         if args.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: expected 1 or more")
-        if args.pipeline_parallel_size > 1 and (args.transformers or args.tensor_parallel_size > 1):
-            raise ValueError("--pipeline-parallel-size plans the zoo's model with tensor parallel size 1; it cannot "
-                             "go with --transformers or --tensor-parallel-size")
+        if args.pipeline_parallel_size > 1 and args.transformers:
+            raise ValueError("--pipeline-parallel-size plans the zoo's model; it cannot go with --transformers")
         model, rules, what = _build(source, args.transformers, args.tensor_parallel_size)
     except LoadError as e:  # with problems (a malformed header entry): a finding; else nothing to inspect
         print(f"zoo inspect: {e}")
@@ -61,14 +61,17 @@ def run(args) -> int:
     except Exception as e:  # the model class refuses the config while it is built on meta
         print(f"zoo inspect: {args.model}: the model cannot be built from its config: {type(e).__name__}: {e}")
         return 2
-    if args.tensor_parallel_size > 1:
-        return _run_ranks(model, source, rules, what, args.tensor_parallel_size)
     if args.pipeline_parallel_size > 1:
         try:
-            return _run_stages(source, lambda: _build(source, False)[:2], what, args.pipeline_parallel_size)
+            status = _run_stages(source, lambda: _build(source, False)[:2], what, args.pipeline_parallel_size)
+            if status or args.tensor_parallel_size == 1:
+                return status
+            return _run_stage_ranks(source, args.pipeline_parallel_size, args.tensor_parallel_size)
         except ValueError as e:  # no layout, fewer layers than stages
             print(f"zoo inspect: {e}")
             return 2
+    if args.tensor_parallel_size > 1:
+        return _run_ranks(model, source, rules, what, args.tensor_parallel_size)
     p = plan(model, source, rules)
     print(f"{source.directory} ({source.kind}, {len(source.files)} files, {len(source.keys())} tensors) "
           f"-> {what}")
@@ -151,6 +154,29 @@ def _run_stages(source, build, what: str, size: int) -> int:
         return _print_problems(sp.problems)
     print(f"ok: each checkpoint tensor is read by exactly one of the {size} stages, or by the stages that share it; "
           f"each stage reads only its own")
+    return 0
+
+
+def _run_stage_ranks(source, stages: int, tp: int) -> int:
+    """Pipeline x tensor parallelism: within each stage, its tp ranks' slices of the tensors it reads cover every
+    element exactly once (the stages' split of the tensors, proven by _run_stages, is the same at any tp)."""
+    from loader import Parallel
+    from zoo.runtime.pipeline import Stage, split
+
+    rows, problems = [], []
+    full = sum(source.info(k).nbytes for k in source.keys())
+    for s in range(stages):
+        model, rules, _ = _build(source, False, tp)
+        rules = split(model, source, rules, Stage(s, stages, 0, tp), Parallel(0, tp))
+        rp = plan_ranks(model, source, rules, tp)
+        problems += rp.problems
+        rows += [(str(s), str(r), str(len({e.key for e in p.entries})), f"{rp.bytes(r) / 1e6:.3f}",
+                  f"{rp.bytes(r) / max(full, 1):.2f}") for r, p in enumerate(rp.plans)]
+    print(f"tensor parallel size {tp} within each stage ({stages * tp} processes):")
+    print_table(["stage", "rank", "tensors", "MB read", "of checkpoint"], rows)
+    if problems:
+        return _print_problems(problems)
+    print(f"ok: within each stage, its {tp} ranks' slices cover every element of the tensors it reads exactly once")
     return 0
 
 
