@@ -6,6 +6,8 @@
     zoo parity MODEL --dtype bfloat16     (the zoo side as `zoo run --dtype bfloat16` runs on the CPU; the reference
                                            transformers float32 on the same values, its cache rounded as the zoo's)
     zoo parity --tiny CONFIG      (a directory with config.json, or the file: shrunk, random weights)
+    zoo parity MODEL --tensor-parallel-size N      (the zoo side over N ranks: the taps every rank holds whole)
+    zoo parity MODEL --pipeline-parallel-size N    (the zoo side over N stages: the served scenario)
 
 Exit status: 0 every scenario passes, 1 a divergence (or the zoo's strict loader refuses the checkpoint),
 2 a usage or loading error (checked before the run: an output path that cannot be written).
@@ -53,6 +55,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="run the zoo side over N tensor-parallel ranks (spawned, gloo) and compare the taps "
                              "every rank holds whole (layers, norms, attention / MLP outputs, logits)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                        help="run the zoo side over N pipeline stages (spawned, gloo) and compare what the served "
+                             "path samples: the logits the last stage sends back and the greedy tokens (the served "
+                             "scenario only: the other scenarios tap modules that other stages hold)")
     parser.add_argument("--no-replay", action="store_true", help="skip the per-layer replay (localisation)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--image", action="append", metavar="PATH",
@@ -121,7 +127,7 @@ def _images(args, model, image_prompt, overrides, dtype, say, result):
 
 
 def run(args) -> int:
-    from parity.harness import ParityUsageError, ZooLoadFailure, run_parity
+    from parity.harness import ParityUsageError, ZooLoadFailure, check_parallel, run_parity
     from parity.html import write_html
     from parity.report import format_summary, write_json
 
@@ -138,11 +144,21 @@ def run(args) -> int:
         if why:
             print(f"zoo parity: {flag} {path}: {why}", file=sys.stderr)
             return 2
-    for name in ("tensor_parallel_size", "block_size", "max_new_tokens", "chunk_tokens"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_new_tokens", "chunk_tokens"):
         value = getattr(args, name)
         if value < 1:  # (each scenario would crash on it and read as a divergence)
             print(f"zoo parity: --{name.replace('_', '-')} {value}: expected 1 or more", file=sys.stderr)
             return 2
+    try:
+        check_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, args.scenario)
+    except ParityUsageError as e:
+        print(f"zoo parity: {e}", file=sys.stderr)
+        return 2
+    if args.image and args.pipeline_parallel_size > 1:
+        print(f"zoo parity: --image with --pipeline-parallel-size {args.pipeline_parallel_size}: image parity taps "
+              f"the vision tower and the text layers, which stages after the first hold in their own processes; "
+              f"not done over a pipeline (drop one of them)", file=sys.stderr)
+        return 2
     import torch
 
     dtype = getattr(torch, args.dtype or "float32")
@@ -178,11 +194,12 @@ def run(args) -> int:
 
         workers = shared_workers() if args.tensor_parallel_size > 1 else contextlib.nullcontext()
         with workers:  # (tensor parallel: the text and image parity share one spawn of the workers)
-            result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or SCENARIOS),
+            result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or ()) or None,
                                 tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                 block_size=args.block_size, chunk_tokens=args.chunk_tokens, device=args.device,
                                 replay=not args.no_replay, tensor_parallel_size=args.tensor_parallel_size,
-                                quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say)
+                                quantized=False if args.dtype == "float32" else None, dtype=dtype, progress=say,
+                                pipeline_parallel_size=args.pipeline_parallel_size)
             result.inputs["notes"] = notes + result.inputs.get("notes", [])  # (--tiny's: what it inferred)
             images = None
             if args.image:

@@ -74,6 +74,11 @@ TP_TAPS = ("the points every rank holds whole: embeddings (after the vocab-paral
            "mixer and MLP / MoE outputs (after their all-reduce), Jamba's x_proj (all-reduced), routers, layer "
            "outputs, final norm, logits (gathered over the vocab); not compared: column-split activations inside a "
            "block (an SSM mixer's in_proj and gated norm) and a shared expert's partial sum")
+PIPELINE_SCENARIOS = ("served",)  # what runs over pipeline stages (the others tap modules that other stages hold)
+PP_COMPARED = ("the served scenario: the logits the last stage sends back for each sampled row, and the greedy "
+               "tokens; not run: the tapped scenarios (stages after the first run their layers in their own "
+               "processes, and the head runs on the sampled rows only); the built constants read from the whole model "
+               "built on the meta device")
 
 
 class ParityUsageError(Exception):
@@ -195,7 +200,8 @@ def _version(dist: str) -> str:
 
 
 # -- the run -----------------------------------------------------------------------------------------------
-def zoo_quantization(files, quantized: bool | None, device: str, tensor_parallel_size: int):
+def zoo_quantization(files, quantized: bool | None, device: str, tensor_parallel_size: int,
+                     pipeline_parallel_size: int = 1):
     """(the GGUF source opened with its blocks kept, or None: the zoo side dequantizes; the report's
     "quantization" record {"mode": "blocks" | "dequantized" | "none", "file_types", "note"}). `quantized` None:
     blocks kept where `zoo run` keeps them (a GGUF, the CPU, one process, every block type with kernels)."""
@@ -208,8 +214,10 @@ def zoo_quantization(files, quantized: bool | None, device: str, tensor_parallel
               "note": "the zoo side dequantizes the GGUF to float32 (as the reference does)"}
     if quantized is False:
         return None, record
-    why = None if str(device) == "cpu" and tensor_parallel_size == 1 else \
-        f"device {device}, tensor parallel size {tensor_parallel_size}: the block kernels run on the CPU, one process"
+    why = None if str(device) == "cpu" and tensor_parallel_size == 1 and pipeline_parallel_size == 1 else \
+        f"device {device}, tensor parallel size {tensor_parallel_size}" + \
+        f", pipeline parallel size {pipeline_parallel_size}" * (pipeline_parallel_size > 1) + \
+        ": the block kernels run on the CPU, one process"
     source = None
     if why is None:
         from zoo.runtime.llm import open_quantized
@@ -255,24 +263,30 @@ def _type_counts(kept: dict[str, str]) -> dict[str, int]:
 
 
 def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, prompt_texts: list[str] | None = None,
-               prompts_file=None, scenarios=SCENARIOS, tol_overrides: dict[str, float] | None = None,
+               prompts_file=None, scenarios=None, tol_overrides: dict[str, float] | None = None,
                seed: int = 0, max_new_tokens: int = 4, block_size: int = 4, chunk_tokens: int = 7,
                device: str = "cpu", replay: bool = True, tensor_parallel_size: int = 1,
                quantized: bool | None = None, dtype: torch.dtype = torch.float32,
-               progress: Callable[[str], None] | None = None) -> ParityResult:
+               progress: Callable[[str], None] | None = None, pipeline_parallel_size: int = 1) -> ParityResult:
     """`quantized`: run the zoo side on a GGUF's blocks kept quantized (True), dequantized to float32 (False), or
     (None, `zoo run`'s default) quantized for a GGUF on the CPU in one process whose block types all have
     kernels. The reference is transformers' dequantized float32 model either way; quantized runs are judged
     with their own tolerances (parity/tolerances.py QUANTIZED).
     `dtype=torch.bfloat16`: the zoo side built in bfloat16 (the CPU's storage: compact weights and KV caches
     bfloat16, float32 math), the reference transformers float32 on the same weights with its cache reads rounded
-    the same way (parity/bfloat16.py), judged with BFLOAT16 (parity/tolerances.py)."""
+    the same way (parity/bfloat16.py), judged with BFLOAT16 (parity/tolerances.py).
+    `pipeline_parallel_size=N`: the zoo side over N pipeline stages (spawned, gloo); the served scenario only
+    (PIPELINE_SCENARIOS, the default then), compared at the sampled logits and greedy tokens (PP_COMPARED).
+    `scenarios` None: every one (SCENARIOS)."""
     from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
 
     say = progress or (lambda msg: None)
-    unknown = [s for s in scenarios if s not in SCENARIOS]
+    unknown = [s for s in scenarios or () if s not in SCENARIOS]
     if unknown:
         raise ParityUsageError(f"--scenario {', '.join(unknown)}: unknown; known: {', '.join(SCENARIOS)}")
+    check_parallel(tensor_parallel_size, pipeline_parallel_size, scenarios)
+    if scenarios is None:
+        scenarios = SCENARIOS if pipeline_parallel_size == 1 else PIPELINE_SCENARIOS
     try:
         tolerances("dense", tol_overrides)  # unknown keys fail here, before anything loads
     except ValueError as e:
@@ -319,32 +333,33 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         check_bfloat16(files, device)
     elif dtype is not torch.float32:
         raise ParityUsageError(f"--dtype {_name(dtype)}: expected float32 or bfloat16")
-    source, quantization = zoo_quantization(files, quantized, device, tensor_parallel_size)
+    source, quantization = zoo_quantization(files, quantized, device, tensor_parallel_size, pipeline_parallel_size)
     if quantization["note"]:
         say(quantization["note"])
 
     t0 = time.perf_counter()
     with contextlib.ExitStack() as loading:
         ref_model, zoo, reference = _load_sides(model, files, config, source, dtype, device, tensor_parallel_size,
-                                                loading, say)
+                                                loading, say, pipeline_parallel_size)
         cleanup = loading.pop_all()  # kept to the end: the zoo's tensor-parallel workers, a rounded copy
     try:
         family = zoo.spec.family
         # bfloat16's bounds are for what a rounded KV cache compounds: a model without one (Mamba2) keeps float32's
-        rounded = bfloat16 and has_kv_cache(zoo.model)
+        whole = zoo.whole_model()  # (over a pipeline: every stage's modules, on meta)
+        rounded = bfloat16 and has_kv_cache(whole)
         tol = tolerances(family, tol_overrides, quantized=source is not None, bfloat16=rounded)
         kept = getattr(zoo.load_report, "quantized", None) or {}
         quantization.update(weights=kept, types=_type_counts(kept))
         num_params = sum(math.prod(p.quant.shape) if getattr(p, "quant", None) is not None else p.numel()
-                         for p in zoo.model.parameters())
+                         for p in whole.parameters())
         inputs = plan_inputs(prompts, prompt_texts, user_given=user_given, config=config, tokenizer=tokenizer,
-                             num_params=num_params, seed=seed, zoo_model=zoo.model, reserve=reserve(max_new_tokens))
+                             num_params=num_params, seed=seed, zoo_model=whole, reserve=reserve(max_new_tokens))
         prompts, prompt_texts = inputs.prompts, inputs.texts
         for note in inputs.notes + [f"not exercised: {n}" for n in inputs.not_exercised]:
             say(note)
         arch = (getattr(config, "architectures", None) or zoo.spec.architectures)[0]  # GGUF configs may lack it
 
-        constants = built_constants(ref_model, zoo.model, config, set(reference_taps(ref_model)))
+        constants = built_constants(ref_model, whole, config, set(reference_taps(ref_model)))
         for m in constants["mismatches"]:
             say(f"built with another constant: {m}")
         ctx = _Run(ref_model, zoo, config, prompts, tol, replay, say, dict(max_new_tokens=max_new_tokens,
@@ -389,11 +404,31 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
         }
         if zoo.tp is not None:
             meta["tensor_parallel"] = {"size": tensor_parallel_size, "taps": TP_TAPS}
+        if zoo.pp is not None:
+            meta["pipeline_parallel"] = {"size": pipeline_parallel_size, "compared": PP_COMPARED}
         return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
                             {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
                             constants)
     finally:
         cleanup.close()
+
+
+def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, scenarios) -> None:
+    """The parallel sizes, and the scenarios a pipeline runs, refused (ParityUsageError naming the flags) before
+    anything loads."""
+    for flag, size in (("--tensor-parallel-size", tensor_parallel_size),
+                       ("--pipeline-parallel-size", pipeline_parallel_size)):
+        if not isinstance(size, int) or size < 1:
+            raise ParityUsageError(f"{flag} {size}: expected 1 or more")
+    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+        raise ParityUsageError(f"--pipeline-parallel-size {pipeline_parallel_size} with --tensor-parallel-size "
+                               f"{tensor_parallel_size}: the two together are not done yet; use one of them")
+    tapped = [s for s in scenarios or () if s not in PIPELINE_SCENARIOS]
+    if pipeline_parallel_size > 1 and tapped:
+        raise ParityUsageError(f"--scenario {', '.join(tapped)} with --pipeline-parallel-size {pipeline_parallel_size}: "
+                               f"these scenarios tap every module and take the head of every row, and stages after "
+                               f"the first hold their layers in their own processes; over a pipeline parity runs "
+                               f"{', '.join(PIPELINE_SCENARIOS)} (the default with the flag)")
 
 
 def reserve(max_new_tokens: int) -> int:
@@ -427,7 +462,8 @@ def check_bfloat16(files, device) -> None:
                                f"reference computes")
 
 
-def _load_sides(model, files, config, source, dtype, device, tensor_parallel_size, cleanup, say):
+def _load_sides(model, files, config, source, dtype, device, tensor_parallel_size, cleanup, say,
+                pipeline_parallel_size=1):
     """(transformers' model, the ZooSide, the report's reference record {"route", "rounded_tensors", "cache", "note"});
     the zoo's close and a rounded copy's removal go on `cleanup`. A failure to load either side is an environment /
     usage error, named; but a strictness failure of the zoo's loader on the checkpoint's content is a finding."""
@@ -449,12 +485,14 @@ def _load_sides(model, files, config, source, dtype, device, tensor_parallel_siz
         side = "the zoo model"
         if tensor_parallel_size > 1:
             say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, {_name(dtype)})")
+        elif pipeline_parallel_size > 1:
+            say(f"building the zoo model over {pipeline_parallel_size} pipeline stages (gloo, {_name(dtype)})")
         else:
             say(f"building the zoo model (build_model, {_name(dtype)}"
                 f"{', GGUF blocks kept quantized' * (source is not None)})")
         zoo = ZooSide(source or path, device=device, config=config, tensor_parallel_size=tensor_parallel_size,
-                      quantized=source is not None, dtype=dtype)
-        cleanup.callback(zoo.close)  # a tensor-parallel group's workers stop
+                      quantized=source is not None, dtype=dtype, pipeline_parallel_size=pipeline_parallel_size)
+        cleanup.callback(zoo.close)  # a tensor-parallel group's workers, a pipeline's stages stop
     except LoadError as e:
         if side == "the zoo model" and exit_status(e) == 1:
             raise ZooLoadFailure(model, e) from e

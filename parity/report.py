@@ -140,6 +140,9 @@ def format_summary(result: ParityResult) -> str:
     if "tensor_parallel" in result.meta:
         tp = result.meta["tensor_parallel"]
         lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")
+    if "pipeline_parallel" in result.meta:
+        pp = result.meta["pipeline_parallel"]
+        lines.insert(2, f"pipeline parallel size {pp['size']} (gloo): compared {pp['compared']}")
     rows = []
     for name, s in result.scenarios.items():
         cmp = s.comparison

@@ -174,22 +174,36 @@ class ZooSide:
     tensor (taps.TP_REPLICATED_ROLES: after the row-parallel all-reduces and the vocab gather); column-split
     activations inside a block, and a shared expert's partial sum, are not compared.
 
+    pipeline_parallel_size=N: stage 0 of a pipeline (zoo/runtime/pipeline.py) whose stages 1.. run their layers in
+    their own processes: only `serve` runs (the logits the last stage sends back for the sampled rows); `run`, which
+    taps the modules and takes the head of every row, is refused.
+
     dtype=torch.bfloat16 (on the CPU): the compact weights and the KV caches stored in bfloat16, float32 math
     (zoo.build.storage_dtypes), as `zoo run --dtype bfloat16` runs it."""
 
     def __init__(self, path, *, device: str = "cpu", config=None, processor=None, tensor_parallel_size: int = 1,
-                 quantized: bool = False, dtype: torch.dtype = torch.float32):
+                 quantized: bool = False, dtype: torch.dtype = torch.float32, pipeline_parallel_size: int = 1):
         from zoo.build import build_model
 
-        self.tp = None
+        self.tp = self.pp = None
+        if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+            raise ValueError(f"tensor parallel size {tensor_parallel_size} with pipeline parallel size "
+                             f"{pipeline_parallel_size}: the two together are not done yet; use one of them")
+        for what, size in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size)):
+            if size > 1 and str(device) != "cpu":
+                raise ValueError(f"{what} parallel size {size} runs on gloo: device must be 'cpu'")
         if tensor_parallel_size > 1:
             from zoo.runtime.distributed import TensorParallelGroup
 
-            if str(device) != "cpu":
-                raise ValueError(f"tensor parallel size {tensor_parallel_size} runs on gloo: device must be 'cpu'")
             self.tp = TensorParallelGroup(path, tensor_parallel_size, dtype=dtype)
+        elif pipeline_parallel_size > 1:
+            from zoo.runtime.pipeline import PipelineGroup
+
+            self.pp = PipelineGroup(path, pipeline_parallel_size, dtype=dtype)
+        group = self.tp or self.pp
+        if group is not None:
             self.model, self.config, self.spec, self.load_report = \
-                self.tp.model, self.tp.config, self.tp.spec, self.tp.load_report
+                group.model, group.config, group.spec, group.load_report
         else:
             self.model, self.config, self.spec, self.load_report = build_model(
                 path, dtype=dtype, device=device, config=config, quantized=quantized)
@@ -197,8 +211,18 @@ class ZooSide:
         self.processor = processor  # a multimodal model's: its engines take images
 
     def close(self) -> None:
-        if self.tp is not None:
-            self.tp.close()
+        for group in (self.tp, self.pp):
+            if group is not None:
+                group.close()
+
+    def whole_model(self) -> torch.nn.Module:
+        """The model whose structure and built constants the harness reads: this process's, or over a pipeline (stage
+        0 holds stand-ins for the other stages' modules) the whole model built again on the meta device (no
+        weights; its constants are the ones each stage built its part with)."""
+        if self.pp is None:
+            return self.model
+        with torch.device("meta"):
+            return self.spec.build(self.config)
 
     def tap_names(self, wanted: set[str]) -> dict[str, str]:
         return zoo_tap_names(self.model, self.config, wanted)
@@ -213,8 +237,8 @@ class ZooSide:
                            block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                            enable_prefix_caching=enable_prefix_caching, device=self.device,
                            processor=processor or self.processor)
-        if self.tp is not None:
-            self.tp.attach(engine)  # the workers' caches take this engine's shape; its steps are mirrored
+        if self.tp is not None or self.pp is not None:  # the other processes' caches take this engine's shape, and
+            (self.tp or self.pp).attach(engine)        # its steps go to them
         return engine
 
     def run(self, prompts: list[list[int]], wanted: set[str], *, max_tokens: int = 1, block_size: int = 16,
@@ -229,6 +253,9 @@ class ZooSide:
         added): [[0], [1, 2]] runs request 0 alone, then 1 and 2 together. Default: all at once. `stagger`: one
         request added per step (`_drive`).
         """
+        if self.pp is not None:  # (its layers past stage 0 run elsewhere, and the head returns sampled rows only)
+            raise RuntimeError(f"pipeline parallel size {self.pp.size}: the tapped run needs every module and the "
+                               f"logits of every row in this process; only the served path runs over a pipeline")
         engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               enable_prefix_caching=enable_prefix_caching, processor=processor)
