@@ -1,6 +1,7 @@
 """Pipeline parallelism behind the flags: `zoo parity --pipeline-parallel-size N` (the served scenario through the
 pipelined engine against transformers: passes on a dense, a MoE and a hybrid model, and fails when a bug lives only
-in stage 1's process).
+in stage 1's process) and `zoo serve --pipeline-parallel-size N` / `--tensor-parallel-size N` (the same greedy text
+as one process). torchrun's launches are in tests/test_tp_multinode.py.
 
 Each pipeline spawns one interpreter per stage past the first (~8 s of this 2-core machine), so the cases are few.
 """
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_run import save_chat_model
+from test_cli_run import save_chat_model, words
 from tiny import save_tiny
 from tiny_configs import save_arch
 from parity.harness import run_parity
 from parity.taps import SAMPLED
+from zoo import LLM, SamplingParams
 from zoo.cli import main
 
 
@@ -28,7 +30,7 @@ def llama5(tmp_path_factory):  # 5 layers: 3 + 2 over two stages (layer 1 on sta
 
 
 @pytest.fixture(scope="module")
-def chat(tmp_path_factory):  # 2 layers, one a stage
+def chat(tmp_path_factory):  # 2 layers, one a stage; a word-level tokenizer (zoo serve and zoo run need one)
     return save_chat_model(tmp_path_factory.mktemp("chat"), max_position_embeddings=256, initializer_range=0.2)
 
 
@@ -113,3 +115,42 @@ def test_parity_pipeline_parallel_refusals(chat, tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, (argv, err)
+
+
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "--tensor-parallel-size"])
+def test_zoo_serve_over_two_processes_gives_one_process_text(chat, flag):
+    """`zoo serve FLAG 2`: completions (one, then four at once: batched steps) and a streamed chat give the greedy
+    text LLM.generate gives in one process."""
+    import concurrent.futures
+
+    openai = pytest.importorskip("openai")
+    from test_serve import KEY, NAME, serving
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [words(6), words(3, 40), words(9, 7), words(2, 90)]
+    messages = [{"role": "user", "content": words(4, 10)}]
+    one = LLM(str(chat))
+    try:
+        want = [o.text for o in one.generate(prompts, greedy)]
+        chat_want = one.generate([one.apply_chat_template(messages)], greedy)[0].text
+    finally:
+        one.close()
+    assert len(set(want)) == len(want) and all(t.strip() for t in want)
+    kw = dict(model=NAME, temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    with serving(chat, flag, "2") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert client.completions.create(prompt=prompts[0], **kw).choices[0].text == want[0]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.completions.create(prompt=p, **kw).choices[0].text, prompts))
+        assert got == want
+        chunks = client.chat.completions.create(messages=messages, stream=True, **kw)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_want
+
+
+def test_zoo_serve_refuses_both_parallel_flags(chat, capsys):
+    assert main(["serve", str(chat), "--port", "0", "--pipeline-parallel-size", "2", "--tensor-parallel-size",
+                 "2"]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline_parallel_size=2 with tensor_parallel_size=2: the two together are not done yet" in err
+    assert main(["serve", str(chat), "--port", "0", "--pipeline-parallel-size", "0"]) == 2
+    assert "zoo serve: error: --pipeline-parallel-size 0: expected 1 or more" in capsys.readouterr().err

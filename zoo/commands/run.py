@@ -50,13 +50,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a multimodal model (repeat for several); its image token goes before "
                              "the prompt unless the prompt holds it")
+    add_parallel_arguments(parser, "rank 0 prints")
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, rank0: str) -> None:
+    """--tensor-parallel-size and --pipeline-parallel-size, shared by zoo run and zoo serve (`rank0`: what rank 0
+    does under torchrun)."""
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                        help="split the model over N ranks (spawned here, gloo on the CPU; default 1, or under "
-                             "torchrun its WORLD_SIZE: rank 0 prints, the other ranks serve its steps)")
+                        help=f"split the model over N ranks (spawned here, gloo on the CPU; default 1, or under "
+                             f"torchrun its WORLD_SIZE: {rank0}, the other ranks serve its steps)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
                         help="split the decoder layers into N contiguous stages, one process each (spawned here, or "
                              "under torchrun its N ranks), each reading only its layers' tensors (default 1); with "
                              "--tensor-parallel-size T, T ranks a stage (N x T processes)")
+
+
+def parallel_sizes(args, command: str = "zoo run") -> int | None:
+    """Check --tensor-parallel-size / --pipeline-parallel-size against the launcher (torchrun's RANK / WORLD_SIZE),
+    and default the tensor-parallel size (torchrun's WORLD_SIZE when no pipeline is asked for, else 1). Returns None
+    for rank 0 (or one process) to go on, or the exit status: a launched rank > 0 served rank 0's steps until it
+    closed, or a size was refused (said)."""
+    from zoo.runtime.distributed import TensorParallelError, launched
+
+    try:
+        env = launched()  # torchrun: RANK / WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) in the environment
+    except TensorParallelError as e:
+        return _fail(str(e), 2, command)
+    if args.pipeline_parallel_size < 1:
+        return _fail(f"--pipeline-parallel-size {args.pipeline_parallel_size}: expected 1 or more", 2, command)
+    if env is not None and env[0] > 0:  # this rank serves rank 0's steps; rank 0 says everything
+        from zoo.runtime.distributed import run_worker
+        from zoo.runtime.model_files import resolve_model
+        from zoo.runtime.pipeline import run_stage
+
+        import torch
+
+        path, dtype = resolve_model(args.model).path, getattr(torch, args.dtype or "float32")
+        return run_stage(path, dtype=dtype, tp=args.tensor_parallel_size or 1) if args.pipeline_parallel_size > 1 \
+            else run_worker(path, dtype=dtype)
+    if args.tensor_parallel_size is None:
+        args.tensor_parallel_size = env[1] if env is not None and args.pipeline_parallel_size == 1 else 1
+    if args.tensor_parallel_size < 1:
+        return _fail(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", 2, command)
+    return None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,27 +145,11 @@ class Progress:
 
 
 def run(args) -> int:
-    from zoo.runtime.distributed import TensorParallelError, launched
     from zoo.runtime.sampling_params import SamplingParams
 
-    try:
-        env = launched()  # torchrun: RANK / WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) in the environment
-    except TensorParallelError as e:
-        return _fail(str(e), 2)
-    if args.pipeline_parallel_size < 1:
-        return _fail(f"--pipeline-parallel-size {args.pipeline_parallel_size}: expected 1 or more", 2)
-    if env is not None and env[0] > 0:  # this rank serves rank 0's steps; rank 0 says everything
-        from zoo.runtime.distributed import run_worker
-        from zoo.runtime.model_files import resolve_model
-        from zoo.runtime.pipeline import run_stage
-
-        import torch
-
-        path, dtype = resolve_model(args.model).path, getattr(torch, args.dtype or "float32")
-        return run_stage(path, dtype=dtype, tp=args.tensor_parallel_size or 1) if args.pipeline_parallel_size > 1 \
-            else run_worker(path, dtype=dtype)
-    if args.tensor_parallel_size is None:
-        args.tensor_parallel_size = env[1] if env is not None and args.pipeline_parallel_size == 1 else 1
+    done = parallel_sizes(args)
+    if done is not None:  # a launched rank > 0 that served its steps, or a size refused
+        return done
 
     structured = None
     if args.json_schema is not None:
@@ -156,8 +176,6 @@ def run(args) -> int:
                 template = f.read()
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}", 2)
-    if args.tensor_parallel_size < 1:
-        return _fail(f"--tensor-parallel-size {args.tensor_parallel_size}: expected 1 or more", 2)
     from zoo.runtime.llm import check_device
 
     try:

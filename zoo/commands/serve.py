@@ -2,6 +2,8 @@
 
     zoo serve                                        SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1
     zoo serve org/name --port 9000 --api-key secret --served-model-name mine
+    zoo serve DIR --pipeline-parallel-size 2         (or --tensor-parallel-size 2: ranks spawned here, gloo; under
+                                                      torchrun rank 0 serves HTTP, the other ranks its steps)
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
@@ -36,14 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tools for; a template that renders none takes no tools without it)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, accepted: tool_choice 'auto' is on whenever tools can be parsed")
-    from zoo.commands.run import add_model_arguments
+    from zoo.commands.run import add_model_arguments, add_parallel_arguments
 
     add_model_arguments(parser)  # --dtype, --tokenizer, --revision
+    add_parallel_arguments(parser, "rank 0 serves HTTP")
 
 
 def run(args) -> int:
-    from zoo.commands.run import _check_max_model_len, _fail, _load
+    from zoo.commands.run import _check_max_model_len, _fail, _load, parallel_sizes
 
+    done = parallel_sizes(args, "zoo serve")
+    if done is not None:  # a launched rank > 0 that served rank 0's steps, or a size refused
+        return done
     for name in ("max_model_len", "max_num_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -61,16 +67,21 @@ def run(args) -> int:
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2, "zoo serve")
     llm = _load(args, "zoo serve", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 check=lambda llm: _check_max_model_len(llm, args))
     if isinstance(llm, int):
         sock.close()
         return llm
     name = args.served_model_name or llm.files.name
-    app = create_app(llm, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
+    app = create_app(llm, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+                     close_llm=True)
     host, port = sock.getsockname()[:2]
     tools = args.tool_call_parser or detect_format(getattr(llm.tokenizer, "chat_template", None)) or "none"
     print(f"zoo serve: serving {name!r} (max_model_len={llm.engine.max_model_len}, tool calls: {tools}); "
           f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        llm.close()  # (closed already by the app's shutdown, unless the server failed to start)
     return 0

@@ -351,8 +351,10 @@ class OpenAIServer:
         return out
 
 
-def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None):
-    """The FastAPI app; its engine loop starts with the app (lifespan) and stops with it."""
+def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
+               close_llm: bool = False):
+    """The FastAPI app; its engine loop starts with the app (lifespan) and stops with it; `close_llm`: then the LLM
+    closes too (the ranks or pipeline stages it spawned stop, told by rank 0, before uvicorn re-raises a SIGTERM)."""
     import contextlib
 
     from fastapi import FastAPI, Request
@@ -366,6 +368,8 @@ def create_app(llm, *, served_model_name: str, api_key: str | None = None, tool_
         server.loop.start()
         yield
         server.loop.close()
+        if close_llm:
+            llm.close()
 
     app = FastAPI(title="zoo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
