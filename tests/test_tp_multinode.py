@@ -1,7 +1,10 @@
-"""Tensor parallelism across machines, simulated on this box: two `torchrun --nnodes 2 --nproc-per-node 2` launches
-(node ranks 0 and 1) meet at 127.0.0.1 on a free port, gloo over TCP, four ranks of `zoo run --tensor-parallel-size
-4`. The reply equals one process's; a rank killed mid-reply ends the run with rank 0 naming that rank and its host,
-and not the rank its launcher stopped after it.
+"""Tensor and pipeline parallelism across machines, simulated on this box: two `torchrun --nnodes 2 --nproc-per-node 2`
+launches (node ranks 0 and 1) meet at 127.0.0.1 on a free port, gloo over TCP, four ranks of `zoo run
+--tensor-parallel-size 4`. The reply equals one process's; a rank killed mid-reply ends the run with rank 0 naming
+that rank and its host, and not the rank its launcher stopped after it.
+
+Pipeline parallelism launched the same way (two nodes of one stage each, or one node of two stages) replies as one
+process too.
 
 Each launch starts six interpreters (two launchers, four ranks: torch imported by each), ~30 s of this 2-core
 machine per test.
@@ -32,14 +35,15 @@ def chat(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("chat"), initializer_range=0.2)
 
 
-def _launch(argv: list[str], port: int) -> list[subprocess.Popen]:
-    """Node 0 and node 1: two torchrun launches of 2 ranks each, as on two machines (rank 0 prints the reply)."""
+def _launch(argv: list[str], port: int, nproc: int = 2) -> list[subprocess.Popen]:
+    """Node 0 and node 1: two torchrun launches of `nproc` ranks each, as on two machines (rank 0 prints the
+    reply)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                              "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                              "-m", "zoo.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                              str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+                              str(port), "-m", "zoo.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) for node in (0, 1)]
 
 
@@ -57,6 +61,34 @@ def test_two_nodes_reply_as_one_process(chat, capsys):
         assert n.returncode == 0, f"node {node}: {err.decode()[-3000:]}"
     assert outs[0][0].decode() == one and len(one.split()) == 12  # rank 0's reply, token for token
     assert outs[1][0] == b""  # node 1's ranks serve rank 0's steps and print nothing
+
+
+def test_two_nodes_pipeline_reply_as_one_process(chat, capsys):
+    """`zoo run --pipeline-parallel-size 2` over two one-rank launches (a stage a machine): the hidden states go
+    from node 0's stage to node 1's over TCP, its logits come back; the reply is one process's, token for token."""
+    argv = ["run", str(chat), "--prompt", words(5), "--max-tokens", "12", "--ignore-eos"]
+    one = _one_process(argv, capsys)
+    nodes = _launch(argv + ["--pipeline-parallel-size", "2"], free_port(), nproc=1)
+    outs = [n.communicate(timeout=240) for n in nodes]
+    for node, (n, (_, err)) in enumerate(zip(nodes, outs)):
+        assert n.returncode == 0, f"node {node}: {err.decode()[-3000:]}"
+    assert outs[0][0].decode() == one and len(one.split()) == 12
+    assert "pipeline parallel over 2 stages" in outs[0][1].decode() and outs[1][0] == b""
+
+
+def test_torchrun_one_node_pipeline_reply_as_one_process(chat, capsys):
+    """`torchrun --nproc-per-node 2 -m zoo.cli run DIR --pipeline-parallel-size 2`: both stages launched on one
+    machine (nothing spawned); the same reply as one process."""
+    argv = ["run", str(chat), "--prompt", words(5), "--max-tokens", "12", "--ignore-eos"]
+    one = _one_process(argv, capsys)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "zoo.cli", *argv, "--pipeline-parallel-size", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == one and "pipeline parallel over 2 stages" in proc.stderr
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
