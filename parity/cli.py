@@ -58,7 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
                         help="run the zoo side over N pipeline stages (spawned, gloo) and compare what the served "
                              "path samples: the logits the last stage sends back and the greedy tokens (the served "
-                             "scenario only: the other scenarios tap modules that other stages hold)")
+                             "scenario only: the other scenarios tap modules that other stages hold); with "
+                             "--tensor-parallel-size T, T ranks a stage")
     parser.add_argument("--no-replay", action="store_true", help="skip the per-layer replay (localisation)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--image", action="append", metavar="PATH",
@@ -192,7 +193,8 @@ def run(args) -> int:
                 raise ParityUsageError(str(e)) from None
         from zoo.runtime.distributed import shared_workers
 
-        workers = shared_workers() if args.tensor_parallel_size > 1 else contextlib.nullcontext()
+        workers = shared_workers() if args.tensor_parallel_size > 1 == args.pipeline_parallel_size \
+            else contextlib.nullcontext()
         with workers:  # (tensor parallel: the text and image parity share one spawn of the workers)
             result = run_parity(model, prompts_file=args.prompts, scenarios=tuple(args.scenario or ()) or None,
                                 tol_overrides=overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,

@@ -275,7 +275,8 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
     `dtype=torch.bfloat16`: the zoo side built in bfloat16 (the CPU's storage: compact weights and KV caches
     bfloat16, float32 math), the reference transformers float32 on the same weights with its cache reads rounded
     the same way (parity/bfloat16.py), judged with BFLOAT16 (parity/tolerances.py).
-    `pipeline_parallel_size=N`: the zoo side over N pipeline stages (spawned, gloo); the served scenario only
+    `pipeline_parallel_size=N`: the zoo side over N pipeline stages (spawned, gloo; with `tensor_parallel_size=T`,
+    N x T ranks); the served scenario only
     (PIPELINE_SCENARIOS, the default then), compared at the sampled logits and greedy tokens (PP_COMPARED).
     `scenarios` None: every one (SCENARIOS)."""
     from zoo.runtime.model_files import ModelNotFound, load_config, load_tokenizer, resolve_model
@@ -402,10 +403,11 @@ def run_parity(model: str | Path, *, prompts: list[list[int]] | None = None, pro
             "load_report": str(zoo.load_report),
             "untied": [str(t) for t in getattr(zoo.load_report, "ties", []) if not t.tied],
         }
-        if zoo.tp is not None:
+        if zoo.tp is not None:  # (not under a pipeline: its stages' ranks are said with it)
             meta["tensor_parallel"] = {"size": tensor_parallel_size, "taps": TP_TAPS}
         if zoo.pp is not None:
-            meta["pipeline_parallel"] = {"size": pipeline_parallel_size, "compared": PP_COMPARED}
+            meta["pipeline_parallel"] = {"size": pipeline_parallel_size, "tensor_parallel_size": tensor_parallel_size,
+                                         "compared": PP_COMPARED}
         return ParityResult(str(model), arch, family, tol, prompts, prompt_texts, results, meta, hints,
                             {"notes": inputs.notes, "exercised": inputs.exercised, "not_exercised": inputs.not_exercised},
                             constants)
@@ -420,15 +422,12 @@ def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, scena
                        ("--pipeline-parallel-size", pipeline_parallel_size)):
         if not isinstance(size, int) or size < 1:
             raise ParityUsageError(f"{flag} {size}: expected 1 or more")
-    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
-        raise ParityUsageError(f"--pipeline-parallel-size {pipeline_parallel_size} with --tensor-parallel-size "
-                               f"{tensor_parallel_size}: the two together are not done yet; use one of them")
     tapped = [s for s in scenarios or () if s not in PIPELINE_SCENARIOS]
     if pipeline_parallel_size > 1 and tapped:
-        raise ParityUsageError(f"--scenario {', '.join(tapped)} with --pipeline-parallel-size {pipeline_parallel_size}: "
-                               f"these scenarios tap every module and take the head of every row, and stages after "
-                               f"the first hold their layers in their own processes; over a pipeline parity runs "
-                               f"{', '.join(PIPELINE_SCENARIOS)} (the default with the flag)")
+        raise ParityUsageError(f"--scenario {', '.join(tapped)} with --pipeline-parallel-size "
+                               f"{pipeline_parallel_size}: these scenarios tap every module and take the head of every "
+                               f"row, and stages after the first hold their layers in their own processes; over a "
+                               f"pipeline parity runs {', '.join(PIPELINE_SCENARIOS)} (the default with the flag)")
 
 
 def reserve(max_new_tokens: int) -> int:
@@ -483,10 +482,11 @@ def _load_sides(model, files, config, source, dtype, device, tensor_parallel_siz
         kw = {"gguf_file": files.gguf_file} if files.is_gguf else {}
         ref_model = load_reference(files.directory if files.is_gguf else path, device=device, **kw)
         side = "the zoo model"
-        if tensor_parallel_size > 1:
+        if pipeline_parallel_size > 1:
+            ranks = f" of {tensor_parallel_size} tensor-parallel ranks each" * (tensor_parallel_size > 1)
+            say(f"building the zoo model over {pipeline_parallel_size} pipeline stages{ranks} (gloo, {_name(dtype)})")
+        elif tensor_parallel_size > 1:
             say(f"building the zoo model over {tensor_parallel_size} tensor-parallel ranks (gloo, {_name(dtype)})")
-        elif pipeline_parallel_size > 1:
-            say(f"building the zoo model over {pipeline_parallel_size} pipeline stages (gloo, {_name(dtype)})")
         else:
             say(f"building the zoo model (build_model, {_name(dtype)}"
                 f"{', GGUF blocks kept quantized' * (source is not None)})")

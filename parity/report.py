@@ -142,7 +142,8 @@ def format_summary(result: ParityResult) -> str:
         lines.insert(2, f"tensor parallel size {tp['size']} (gloo): compared at {tp['taps']}")
     if "pipeline_parallel" in result.meta:
         pp = result.meta["pipeline_parallel"]
-        lines.insert(2, f"pipeline parallel size {pp['size']} (gloo): compared {pp['compared']}")
+        ranks = f" x tensor parallel size {pp['tensor_parallel_size']}" * (pp["tensor_parallel_size"] > 1)
+        lines.insert(2, f"pipeline parallel size {pp['size']}{ranks} (gloo): compared {pp['compared']}")
     rows = []
     for name, s in result.scenarios.items():
         cmp = s.comparison

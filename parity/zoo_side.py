@@ -54,6 +54,14 @@ def _watch(engine, segments: list, sampled: list) -> dict:
         return step
 
     runner.plan = observed_plan
+    state["steps"] = []  # per engine step, the plans made before it: a pipeline plans each micro-batch of a step
+    execute = runner.execute
+
+    def observed_execute(out, kv):
+        state["steps"].append(len(segments))
+        return execute(out, kv)
+
+    runner.execute = observed_execute
     snapshots = engine.scheduler.kv.state_snapshots
     state["restores"] = []  # (snapshot, state slot) of each prefix hit's state restore
     if snapshots is not None:
@@ -101,6 +109,29 @@ def _drive(engine, prompts, max_tokens, waves, images=None, stagger: bool = Fals
         while engine.has_unfinished_requests():
             engine.step()
     return requests
+
+
+def _whole_steps(segments: list, batches: list, starts: list[int]) -> list:
+    """Per engine step, (its schedule, (positions [T], sampled rows [N])) as one process plans it: a pipeline's rank 0
+    plans each micro-batch of a step on its own (zoo/runtime/pipeline.py), a request cut between two as two spans;
+    they are joined back here (the spans merged, the rows offset). One plan a step: the plans as they are."""
+    out = []
+    for a, b in zip(starts, starts[1:] + [len(segments)]):
+        if a == b:  # (a step that planned nothing)
+            continue
+        segs, positions, rows, offset = [], [], [], 0
+        for k in range(a, b):
+            for r, start, n in segments[k]:
+                if segs and segs[-1][0] == r and segs[-1][1] + segs[-1][2] == start:
+                    segs[-1] = (r, segs[-1][1], segs[-1][2] + n)  # the second span of a request cut in two
+                else:
+                    segs.append((r, start, n))
+            pos, idx = batches[k]
+            positions.append(pos)
+            rows.append(idx + offset)
+            offset += len(pos)
+        out.append((segs, (torch.cat(positions), torch.cat(rows))))
+    return out
 
 
 def _token_index(segs, qsl) -> torch.Tensor:
@@ -175,8 +206,8 @@ class ZooSide:
     activations inside a block, and a shared expert's partial sum, are not compared.
 
     pipeline_parallel_size=N: stage 0 of a pipeline (zoo/runtime/pipeline.py) whose stages 1.. run their layers in
-    their own processes: only `serve` runs (the logits the last stage sends back for the sampled rows); `run`, which
-    taps the modules and takes the head of every row, is refused.
+    their own processes (with tensor_parallel_size=T too: N stages of T ranks): only `serve` runs (the logits the last
+    stage sends back for the sampled rows); `run`, which taps the modules and takes the head of every row, is refused.
 
     dtype=torch.bfloat16 (on the CPU): the compact weights and the KV caches stored in bfloat16, float32 math
     (zoo.build.storage_dtypes), as `zoo run --dtype bfloat16` runs it."""
@@ -186,20 +217,17 @@ class ZooSide:
         from zoo.build import build_model
 
         self.tp = self.pp = None
-        if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
-            raise ValueError(f"tensor parallel size {tensor_parallel_size} with pipeline parallel size "
-                             f"{pipeline_parallel_size}: the two together are not done yet; use one of them")
         for what, size in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size)):
             if size > 1 and str(device) != "cpu":
                 raise ValueError(f"{what} parallel size {size} runs on gloo: device must be 'cpu'")
-        if tensor_parallel_size > 1:
+        if pipeline_parallel_size > 1:  # (its stages split by tensor parallelism within themselves: not self.tp)
+            from zoo.runtime.pipeline import PipelineGroup
+
+            self.pp = PipelineGroup(path, pipeline_parallel_size, dtype=dtype, tp=tensor_parallel_size)
+        elif tensor_parallel_size > 1:
             from zoo.runtime.distributed import TensorParallelGroup
 
             self.tp = TensorParallelGroup(path, tensor_parallel_size, dtype=dtype)
-        elif pipeline_parallel_size > 1:
-            from zoo.runtime.pipeline import PipelineGroup
-
-            self.pp = PipelineGroup(path, pipeline_parallel_size, dtype=dtype)
         group = self.tp or self.pp
         if group is not None:
             self.model, self.config, self.spec, self.load_report = \
@@ -236,7 +264,8 @@ class ZooSide:
         engine = LLMEngine(self.model, self.config, None, num_blocks=2 * (total // block_size + len(prompts)) + 4,
                            block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                            enable_prefix_caching=enable_prefix_caching, device=self.device,
-                           processor=processor or self.processor)
+                           processor=processor or self.processor,
+                           pool_specs=getattr(self.pp, "pool_specs", None))  # (a pipeline: its costliest stage's)
         if self.tp is not None or self.pp is not None:  # the other processes' caches take this engine's shape, and
             (self.tp or self.pp).attach(engine)        # its steps go to them
         return engine
@@ -254,8 +283,8 @@ class ZooSide:
         request added per step (`_drive`).
         """
         if self.pp is not None:  # (its layers past stage 0 run elsewhere, and the head returns sampled rows only)
-            raise RuntimeError(f"pipeline parallel size {self.pp.size}: the tapped run needs every module and the "
-                               f"logits of every row in this process; only the served path runs over a pipeline")
+            raise RuntimeError(f"pipeline parallel size {self.pp.stage.size}: the tapped run needs every module and "
+                               f"the logits of every row in this process; only the served path runs over a pipeline")
         engine = self._engine(prompts, max_tokens=max_tokens, block_size=block_size,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               enable_prefix_caching=enable_prefix_caching, processor=processor)
@@ -311,7 +340,7 @@ class ZooSide:
         watch = _watch(engine, segments, sampled)
         requests = _drive(engine, prompts, max_tokens, None)
         steps, sampled_iter = [], iter(sampled)
-        for segs, (positions, idx) in zip(segments, watch["batches"]):
+        for segs, (positions, idx) in _whole_steps(segments, watch["batches"], watch["steps"]):
             qsl = [0]
             for _, _, n in segs:
                 qsl.append(qsl[-1] + n)
@@ -325,4 +354,4 @@ class ZooSide:
         tokens = _computed_tokens(requests, segments, len(prompts))
         trace = from_steps(steps, [SAMPLED], tokens)
         outs = {int(rid): list(req.output_token_ids) for rid, req in requests.items()}
-        return ZooRun(trace, len(segments), {}, outs, runtime_findings(steps), fused_steps=watch["fused"])
+        return ZooRun(trace, len(watch["steps"]), {}, outs, runtime_findings(steps), fused_steps=watch["fused"])

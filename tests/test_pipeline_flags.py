@@ -34,11 +34,20 @@ def chat(tmp_path_factory):  # 2 layers, one a stage; a word-level tokenizer (zo
     return save_chat_model(tmp_path_factory.mktemp("chat"), max_position_embeddings=256, initializer_range=0.2)
 
 
-def test_zoo_parity_pipeline_parallel(llama5, tmp_path, capsys):
+def test_zoo_parity_pipeline_parallel(llama5, tmp_path, capsys, monkeypatch):
     """`zoo parity --pipeline-parallel-size 2`: the served scenario by default, said in the summary and the JSON
-    report; the logits of every sampled row and the greedy tokens equal transformers'."""
+    report; the logits of every sampled row and the greedy tokens equal transformers'. The prompts' 70 tokens make
+    the prefill step two micro-batches, prompt 0 cut between them (its rows joined back to one step's)."""
+    from zoo.runtime import pipeline
+
+    cuts = []
+    split = pipeline.micro_batches
+    monkeypatch.setattr(pipeline, "micro_batches", lambda *a: cuts.append(split(*a)) or cuts[-1])  # (recorded)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[(7 * i) % 100 + 5 for i in range(40)], [(11 * i) % 90 + 7 for i in range(30)]]))
     report = tmp_path / "r.json"
-    assert main(["parity", str(llama5), "--pipeline-parallel-size", "2", "--json", str(report), "--quiet"]) == 0
+    assert main(["parity", str(llama5), "--pipeline-parallel-size", "2", "--prompts", str(prompts), "--json",
+                 str(report), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "pipeline parallel size 2 (gloo): compared the served scenario" in out and out.rstrip().endswith("PASS")
     data = json.loads(report.read_text())
@@ -46,6 +55,8 @@ def test_zoo_parity_pipeline_parallel(llama5, tmp_path, capsys):
     served = data["scenarios"]["served"]
     assert served["passed"] and served["info"]["fused_steps"] == 0 and served["info"]["steps"] == 4
     assert all(len(tokens) == 4 for tokens in served["info"]["generated"].values())
+    assert [[(s.request.request_id, s.num_new_tokens) for s in mb] for mb in cuts[0]] == [[("0", 35)],
+                                                                                          [("0", 5), ("1", 30)]]
 
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "JambaForCausalLM"])
@@ -62,6 +73,16 @@ def test_parity_pipeline_parallel_moe_and_hybrid(arch, tmp_path):
     one = run_parity(path, scenarios=("served",))
     assert served.info["generated"] == one.scenarios["served"].info["generated"]
     assert result.constants == one.constants and len(one.constants["checked"]) > 10
+
+
+def test_parity_pipeline_times_tensor_parallel(llama5, capsys):
+    """`zoo parity --pipeline-parallel-size 2 --tensor-parallel-size 2`: two stages of two ranks (4 processes), the
+    served scenario passes against transformers."""
+    argv = ["parity", str(llama5), "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--quiet"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pipeline parallel size 2 x tensor parallel size 2 (gloo): compared the served scenario" in out
+    assert out.rstrip().endswith("PASS")
 
 
 MUTANT = """
@@ -102,8 +123,6 @@ def test_parity_pipeline_parallel_refusals(chat, tmp_path, capsys):
     """What cannot run over a pipeline is one line naming the flags, exit 2, before anything spawns."""
     base = ["parity", str(chat), "--pipeline-parallel-size", "2", "--quiet"]
     cases = [
-        (base + ["--tensor-parallel-size", "2"],
-         "--pipeline-parallel-size 2 with --tensor-parallel-size 2: the two together are not done yet"),
         (base + ["--scenario", "served", "--scenario", "prefill"],
          "--scenario prefill with --pipeline-parallel-size 2: these scenarios tap every module"),
         (base + ["--image", str(tmp_path / "x.png")], "--image with --pipeline-parallel-size 2: image parity"),
@@ -147,10 +166,6 @@ def test_zoo_serve_over_two_processes_gives_one_process_text(chat, flag):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_want
 
 
-def test_zoo_serve_refuses_both_parallel_flags(chat, capsys):
-    assert main(["serve", str(chat), "--port", "0", "--pipeline-parallel-size", "2", "--tensor-parallel-size",
-                 "2"]) == 2
-    err = capsys.readouterr().err
-    assert "pipeline_parallel_size=2 with tensor_parallel_size=2: the two together are not done yet" in err
+def test_zoo_serve_refuses_a_parallel_size_below_one(chat, capsys):
     assert main(["serve", str(chat), "--port", "0", "--pipeline-parallel-size", "0"]) == 2
     assert "zoo serve: error: --pipeline-parallel-size 0: expected 1 or more" in capsys.readouterr().err
