@@ -259,3 +259,30 @@ def test_killed_rank_fails_the_run_naming_it(tmp_path, shared):  # last: it kill
     assert len(steps) == 2
     llm.close()
     assert not worker.is_alive()
+
+
+def test_control_messages_carry_tensors_bit_for_bit():
+    """pack / unpack (the control broadcast's tensors as numpy arrays): every tensor back with its dtype, shape and
+    bits; a bfloat16 tensor (no numpy dtype) and an image's numpy array pass untouched."""
+    import pickle
+
+    import numpy as np
+
+    from zoo.runtime.distributed import pack, unpack
+
+    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    batch = {"positions": torch.arange(5), "qsl": torch.tensor([0, 5], dtype=torch.int32),
+             "flags": torch.tensor([True, False]), "embeds": torch.randn(3, 4).t(), "bf16": torch.randn(2, 3).bfloat16(),
+             "seq_lens_cpu": [5], "mrope_positions": None}
+    msg = {"op": "forward", "micro": [{"input_ids": torch.arange(7, 12), "batch": batch}], "items": [image],
+           "copies": [("model.layers.0.mixer", 1, 2)]}
+    back = unpack(pickle.loads(pickle.dumps(pack(msg))))
+    got = back["micro"][0]["batch"]
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+    assert torch.equal(back["micro"][0]["input_ids"], torch.arange(7, 12))
+    assert isinstance(back["items"][0], np.ndarray) and (back["items"][0] == image).all()
+    assert back["copies"] == msg["copies"] and back["op"] == "forward"
