@@ -160,16 +160,23 @@ class Roll:
                     out[r] = self.store.add(f"zoo/beat/{r}", 0)
             return out
 
+        def words():
+            out = {}
+            for r in range(1, self.size):
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    if self.store.check([f"zoo/left/{r}"]):
+                        out[r] = self.store.get(f"zoo/left/{r}").decode(errors="replace")
+            return out
+
         before = beats()
         time.sleep(STALE)
-        after = beats()
-        left = {}
-        for r in range(1, self.size):
-            with contextlib.suppress(RuntimeError, dist.DistError):
-                if self.store.check([f"zoo/left/{r}"]):
-                    left[r] = self.store.get(f"zoo/left/{r}").decode(errors="replace")
+        after, left = beats(), words()
         exits = exits()
         stopped = [r for r in range(1, self.size) if r not in after or after[r] == before.get(r) or r in exits]
+        deadline = time.monotonic() + STALE  # a rank stopped by its launcher stops beating, then says why
+        while any(r not in left and r not in exits for r in stopped) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = words()
         with contextlib.suppress(RuntimeError, dist.DistError):
             self.store.set("zoo/named", "1")  # the workers waiting in leave() may go
         died = [f"{self.name(r)} " + (_how(exits[r]) if r in exits else
