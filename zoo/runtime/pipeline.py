@@ -189,10 +189,9 @@ class _Handoff(nn.Module):
         self.sending.clear()
 
 
-def _wait_sends(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, _Handoff):
-            m.wait()
+def handoffs(model: nn.Module) -> list[_Handoff]:
+    """The stand-ins of a stage's model that send (found once after the split, waited on every step)."""
+    return [m for m in model.modules() if isinstance(m, _Handoff) and m.send_to is not None]
 
 
 class _Zeros(nn.Module):
@@ -411,6 +410,7 @@ def _serve_stage(rank: int, world: int, path: str, dtype: torch.dtype, ctl, tp: 
     stage = _stage_of(rank, world, tp)
     peak = Peak()
     (model, _, _, report), _, _ = _load_stage(path, stage, dtype)
+    senders = handoffs(model)
     _set_timeout(STAGE_TIMEOUT)
     caches, states, snapshots = {}, {}, {}
     for step in orders(ctl):
@@ -426,7 +426,8 @@ def _serve_stage(rank: int, world: int, path: str, dtype: torch.dtype, ctl, tp: 
                         logits = model.compute_logits(hidden[batch.logits_indices]).float().contiguous()  # [N, V]
                         if stage.tp_rank == 0:  # (the stage's ranks gathered the same logits)
                             sending.append(dist.isend(logits, 0))
-            _wait_sends(model)
+            for handoff in senders:
+                handoff.wait()
             for work in sending:
                 work.wait()
         elif op == "encode" and stage.index == 0:  # a vision tower split over stage 0's ranks: join rank 0's run
@@ -478,6 +479,7 @@ class PipelineGroup(TensorParallelGroup):
             self.peak = Peak()
             built, self.vocab, self.pool_specs = self._guard(_load_stage, path, self.stage, dtype)
             self.model, self.config, self.spec, self.load_report = built
+            self.senders = handoffs(self.model)
         except BaseException:
             self.close()
             raise
@@ -556,7 +558,8 @@ class PipelineGroup(TensorParallelGroup):
                     self.model(ids, pos, batch)  # [T_m, H], sent on to stage 1 by the stand-in after stage 0's layers
         finally:
             self.in_step = False
-        _wait_sends(self.model)
+        for handoff in self.senders:
+            handoff.wait()
         for work in recvs:
             work.wait()
         t2 = time.perf_counter()
